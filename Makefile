@@ -1,0 +1,26 @@
+# The two commands: `make demo` (a real replay of real dead letters) and `make test`.
+export AMQP_URL ?= amqp://guest:guest@127.0.0.1:5672/%2f
+export REDIS_URL ?= redis://127.0.0.1:6379/
+CARGO ?= cargo
+
+.PHONY: demo test lint services crd bench
+
+demo: services
+	$(CARGO) build --release --quiet
+	./target/release/dlq-replay demo -f examples/replay.yaml
+	@echo "--- plan of what is left in demo.dlq (a dry run: changes nothing)"
+	./target/release/dlq-replay plan -f examples/replay.yaml
+
+test: services
+	$(CARGO) test --all-targets -- --test-threads 4
+
+lint:
+	$(CARGO) fmt --check
+	$(CARGO) clippy --all-targets -- -D warnings
+
+crd:
+	$(CARGO) run --quiet -- crd > crds/dlqreplay.yaml
+
+# Make sure the local RabbitMQ and Redis answer; start them if they do not.
+services:
+	@.ci/services

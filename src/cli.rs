@@ -1,0 +1,412 @@
+//! The `dlq-replay` command line: `run`, `plan`, `audit`, `demo`, `crd`.
+
+use std::io::IsTerminal;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use kube::CustomResourceExt;
+use tokio_util::sync::CancellationToken;
+
+use crate::api::{DlqReplay, DlqReplayStatus, Phase};
+use crate::engine::{self, store, Options, Replay};
+use crate::{manifest, Error};
+
+/// Replay dead-lettered RabbitMQ messages safely: poison to quarantine, duplicates dropped,
+/// the rest republished under a rate limit, every decision audited.
+#[derive(Parser, Debug)]
+#[command(name = "dlq-replay", version, about)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Run a replay to its end and print the resource with its final status.
+    Run(RunArgs),
+    /// Dry run: classify every message and print the counts; change nothing.
+    Plan(PlanArgs),
+    /// Export the audit trail of a replay.
+    Audit(AuditArgs),
+    /// Build real dead letters on the local broker and replay them end to end.
+    Demo(DemoArgs),
+    /// Print the CustomResourceDefinition.
+    Crd,
+}
+
+/// Where the broker and Redis are, when no cluster resolves the Secret references.
+#[derive(Args, Debug, Clone, Default)]
+pub struct Endpoints {
+    /// Broker URL; stands in for spec.broker.urlSecretRef.
+    #[arg(long, env = "AMQP_URL", hide_env_values = true)]
+    pub amqp_url: Option<String>,
+    /// Redis URL; stands in for spec.idempotency.redis / spec.audit.redis.
+    #[arg(long, env = "REDIS_URL", hide_env_values = true)]
+    pub redis_url: Option<String>,
+}
+
+/// Output formats of the resource.
+#[derive(ValueEnum, Clone, Copy, Debug, Default)]
+pub enum Output {
+    /// YAML.
+    #[default]
+    Yaml,
+    /// JSON.
+    Json,
+}
+
+/// `run` arguments.
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// The DlqReplay manifest (`-` for standard input).
+    #[arg(short = 'f', long = "filename")]
+    pub file: String,
+    #[command(flatten)]
+    pub endpoints: Endpoints,
+    /// Output format of the final resource.
+    #[arg(short = 'o', long, value_enum, default_value_t)]
+    pub output: Output,
+    /// Messages decided together (the in-flight window).
+    #[arg(long, default_value_t = 256)]
+    pub batch: usize,
+    /// Do not draw the progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+/// `plan` arguments.
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    /// The DlqReplay manifest (`-` for standard input).
+    #[arg(short = 'f', long = "filename")]
+    pub file: String,
+    #[command(flatten)]
+    pub endpoints: Endpoints,
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Audit export formats.
+#[derive(ValueEnum, Clone, Copy, Debug, Default)]
+pub enum AuditFormat {
+    /// One JSON object per line.
+    #[default]
+    Jsonl,
+    /// Comma-separated, with a header row.
+    Csv,
+}
+
+/// `audit` arguments.
+#[derive(Args, Debug)]
+pub struct AuditArgs {
+    /// The DlqReplay manifest whose audit trail to export.
+    #[arg(short = 'f', long = "filename", required_unless_present = "key")]
+    pub file: Option<String>,
+    /// The audit stream key (status.audit.key) instead of a manifest.
+    #[arg(long)]
+    pub key: Option<String>,
+    #[command(flatten)]
+    pub endpoints: Endpoints,
+    /// Export format.
+    #[arg(long, value_enum, default_value_t)]
+    pub format: AuditFormat,
+}
+
+/// `demo` arguments.
+#[derive(Args, Debug)]
+pub struct DemoArgs {
+    /// The replay manifest the demo runs.
+    #[arg(short = 'f', long = "filename", default_value = "examples/replay.yaml")]
+    pub file: String,
+    #[command(flatten)]
+    pub endpoints: Endpoints,
+}
+
+/// Run the command line; the exit code is 0 only when the replay ended `Done`.
+pub async fn main(cli: Cli) -> ExitCode {
+    let result = match cli.command {
+        Command::Run(a) => run(a).await,
+        Command::Plan(a) => plan(a).await,
+        Command::Audit(a) => audit(a).await,
+        Command::Demo(a) => crate::demo::run(a).await,
+        Command::Crd => crd(),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn crd() -> Result<ExitCode, Error> {
+    let yaml = serde_yaml::to_string(&DlqReplay::crd()).map_err(|e| Error::Io(e.to_string()))?;
+    print!("{yaml}");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Resolve a manifest into a runnable replay: inline URLs, or the command line's stand-ins for
+/// the Secret references.
+pub fn resolve(resource: &DlqReplay, endpoints: &Endpoints) -> Result<Replay, Error> {
+    let spec = &resource.spec;
+    let amqp_url = endpoints.amqp_url.clone().or_else(|| spec.broker.url.clone()).ok_or_else(|| {
+        Error::Config(match &spec.broker.url_secret_ref {
+            Some(s) => format!(
+                "spec.broker.urlSecretRef ({}/{}) needs a cluster; without one pass --amqp-url or AMQP_URL",
+                s.name, s.key
+            ),
+            None => "spec.broker: no URL; set spec.broker.url or pass --amqp-url / AMQP_URL".into(),
+        })
+    })?;
+    manifest::check_url(&amqp_url, &["amqp", "amqps"])
+        .map_err(|e| Error::Config(format!("broker URL: {e}")))?;
+    let inline = spec
+        .idempotency
+        .as_ref()
+        .and_then(|i| i.redis.as_ref())
+        .and_then(|r| r.url.clone())
+        .or_else(|| spec.audit.as_ref().and_then(|a| a.redis.url.clone()));
+    let redis_url = endpoints.redis_url.clone().or(inline).ok_or_else(|| {
+        Error::Config(
+            "no Redis URL for the audit trail: set spec.idempotency.redis.url or spec.audit.redis.url, or pass --redis-url / REDIS_URL".into(),
+        )
+    })?;
+    manifest::check_url(&redis_url, &["redis", "rediss"])
+        .map_err(|e| Error::Config(format!("Redis URL: {e}")))?;
+    Ok(Replay {
+        namespace: resource
+            .metadata
+            .namespace
+            .clone()
+            .unwrap_or_else(|| "default".into()),
+        name: resource.metadata.name.clone().unwrap_or_default(),
+        spec: spec.clone(),
+        amqp_url,
+        redis_url,
+    })
+}
+
+async fn run(args: RunArgs) -> Result<ExitCode, Error> {
+    let mut resource = manifest::load(&args.file)?;
+    let replay = resolve(&resource, &args.endpoints)?;
+    let opts = Options {
+        batch: args.batch.max(1),
+        ..Options::default()
+    };
+    let status = run_with_progress(&replay, &opts, !args.no_progress).await?;
+    resource.status = Some(status.clone());
+    print_resource(&resource, args.output)?;
+    Ok(exit_for(&status))
+}
+
+/// Run the engine with a progress bar on a terminal, stopping cleanly on Ctrl-C.
+pub async fn run_with_progress(
+    replay: &Replay,
+    opts: &Options,
+    bar: bool,
+) -> Result<DlqReplayStatus, Error> {
+    let (tx, mut rx) = tokio::sync::watch::channel(DlqReplayStatus::default());
+    let cancel = CancellationToken::new();
+    let on_signal = cancel.clone();
+    tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            eprintln!("interrupted: settling the messages in flight, then stopping");
+            on_signal.cancel();
+        }
+    });
+    let pb = if bar && std::io::stderr().is_terminal() {
+        ProgressBar::new(0)
+    } else {
+        ProgressBar::hidden()
+    };
+    pb.set_style(
+        ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} {per_sec} {msg}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    pb.enable_steady_tick(Duration::from_millis(200));
+    let watcher = pb.clone();
+    let draw = tokio::spawn(async move {
+        while rx.changed().await.is_ok() {
+            let s = rx.borrow_and_update().clone();
+            draw_status(&watcher, &s);
+        }
+    });
+    let result = engine::run(replay, opts, &tx, &cancel).await;
+    drop(tx);
+    let _ = draw.await;
+    pb.finish_and_clear();
+    result
+}
+
+fn draw_status(pb: &ProgressBar, s: &DlqReplayStatus) {
+    let c = s.counts;
+    pb.set_length(s.source_depth_at_start.unwrap_or(0));
+    pb.set_position(c.scanned);
+    pb.set_message(format!(
+        "{} | replayed {} dup {} quar {} skip {} fail {}",
+        s.phase.map(|p| p.to_string()).unwrap_or_default(),
+        c.replayed,
+        c.duplicates,
+        c.quarantined,
+        c.skipped,
+        c.failed
+    ));
+}
+
+fn print_resource(resource: &DlqReplay, output: Output) -> Result<(), Error> {
+    let text = match output {
+        Output::Yaml => serde_yaml::to_string(resource).map_err(|e| Error::Io(e.to_string()))?,
+        Output::Json => {
+            serde_json::to_string_pretty(resource).map_err(|e| Error::Io(e.to_string()))? + "\n"
+        }
+    };
+    print!("{text}");
+    Ok(())
+}
+
+/// 0 for `Done`, 1 otherwise, with the reason on stderr.
+pub fn exit_for(status: &DlqReplayStatus) -> ExitCode {
+    if status.phase == Some(Phase::Done) {
+        return ExitCode::SUCCESS;
+    }
+    eprintln!(
+        "replay ended {}: {}",
+        status
+            .phase
+            .map(|p| p.to_string())
+            .unwrap_or_else(|| "without a phase".into()),
+        status.message.as_deref().unwrap_or("no reason recorded")
+    );
+    ExitCode::from(1)
+}
+
+async fn plan(args: PlanArgs) -> Result<ExitCode, Error> {
+    let resource = manifest::load(&args.file)?;
+    let replay = resolve(&resource, &args.endpoints)?;
+    let report = engine::plan::plan(&replay).await?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).map_err(|e| Error::Io(e.to_string()))?
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "queue {}: {} messages (dry run: nothing was changed)",
+        replay.spec.source.queue, report.depth
+    );
+    println!(
+        "{:<48} {:>8} {:>8} {:>10} {:>11} {:>8}",
+        "SIGNATURE", "SCANNED", "REPLAY", "DUPLICATE", "QUARANTINE", "SKIP"
+    );
+    let row = |name: &str, c: &crate::api::Counts| {
+        println!(
+            "{:<48} {:>8} {:>8} {:>10} {:>11} {:>8}",
+            name, c.scanned, c.replayed, c.duplicates, c.quarantined, c.skipped
+        )
+    };
+    for (sig, c) in &report.by_signature {
+        row(sig, c);
+    }
+    row("TOTAL", &report.counts);
+    for (reason, n) in &report.reasons {
+        println!("  {n:>6}  {reason}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn audit(args: AuditArgs) -> Result<ExitCode, Error> {
+    let (redis_url, key) = match (&args.key, &args.file) {
+        (Some(k), _) => {
+            let url = args
+                .endpoints
+                .redis_url
+                .clone()
+                .ok_or_else(|| Error::Config("--key needs --redis-url or REDIS_URL".into()))?;
+            (url, k.clone())
+        }
+        (None, Some(f)) => {
+            let resource = manifest::load(f)?;
+            let endpoints = Endpoints {
+                amqp_url: Some("amqp://unused".into()),
+                ..args.endpoints.clone()
+            };
+            let replay = resolve(&resource, &endpoints)?;
+            let con = store::connect(&replay.redis_url).await?;
+            let state = store::Store::peek(con, &replay.namespace, &replay.name)
+                .await?
+                .ok_or_else(|| {
+                    Error::Config(format!(
+                        "replay {}/{} has never run",
+                        replay.namespace, replay.name
+                    ))
+                })?;
+            (
+                replay.redis_url,
+                format!(
+                    "dlq:audit:{}/{}/{}",
+                    replay.namespace, replay.name, state.replay_id
+                ),
+            )
+        }
+        (None, None) => return Err(Error::Config("give -f MANIFEST or --key KEY".into())),
+    };
+    let mut con = store::connect(&redis_url).await?;
+    let rows = store::read_audit(&mut con, &key).await?;
+    let mut out = std::io::stdout().lock();
+    write_audit(&mut out, &rows, args.format).map_err(|e| Error::Io(e.to_string()))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Write audit rows as JSON lines or CSV.
+pub fn write_audit(
+    out: &mut impl std::io::Write,
+    rows: &[store::AuditRow],
+    format: AuditFormat,
+) -> std::io::Result<()> {
+    match format {
+        AuditFormat::Jsonl => {
+            for r in rows {
+                writeln!(out, "{}", serde_json::to_string(r).unwrap_or_default())?;
+            }
+        }
+        AuditFormat::Csv => {
+            writeln!(
+                out,
+                "id,replay,message,decision,key,reason,destination,canary,time"
+            )?;
+            for r in rows {
+                let cells = [
+                    &r.id,
+                    &r.replay,
+                    &r.message,
+                    &r.decision,
+                    &r.key,
+                    &r.reason,
+                    &r.destination,
+                ];
+                let mut line: Vec<String> = cells.iter().map(|c| csv_cell(c)).collect();
+                line.push(r.canary.to_string());
+                line.push(csv_cell(&r.time));
+                writeln!(out, "{}", line.join(","))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn csv_cell(s: &str) -> String {
+    if s.contains([',', '"', '\n', '\r']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_string()
+    }
+}

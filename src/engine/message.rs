@@ -1,0 +1,195 @@
+//! Reading what RabbitMQ put on a dead-lettered message: its deaths, its headers, its identity.
+//!
+//! Pure functions of (properties, body); no I/O.
+
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::BasicProperties;
+use sha2::{Digest, Sha256};
+
+/// Header carrying the id of the replay that published a message.
+pub const REPLAY_ID: &str = "x-replay-id";
+/// Header carrying how many times replays have published a message.
+pub const REPLAY_COUNT: &str = "x-replay-count";
+/// Header carrying the idempotency key a replay derived.
+pub const IDEMPOTENCY_KEY: &str = "x-idempotency-key";
+/// Header telling why a message was quarantined.
+pub const QUARANTINE_REASON: &str = "x-quarantine-reason";
+/// Header keeping a `user-id` property that the replay's connection could not assert.
+pub const ORIGINAL_USER_ID: &str = "x-original-user-id";
+
+/// One entry of the `x-death` header.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Death {
+    /// The queue the message died in.
+    pub queue: String,
+    /// `rejected`, `expired`, `maxlen` or `delivery_limit`.
+    pub reason: String,
+    /// How many times it died this way in this queue.
+    pub count: u64,
+    /// The exchange it had been published to.
+    pub exchange: String,
+    /// The routing keys it had been published with.
+    pub routing_keys: Vec<String>,
+}
+
+/// The headers of a message, or an empty table.
+pub fn headers(props: &BasicProperties) -> Option<&FieldTable> {
+    props.headers().as_ref()
+}
+
+/// A header's value as text, for the header types a human would match on.
+pub fn header_text(props: &BasicProperties, name: &str) -> Option<String> {
+    headers(props)?.inner().get(name).and_then(value_text)
+}
+
+/// The text form of a scalar AMQP value; tables, arrays and void have none.
+pub fn value_text(v: &AMQPValue) -> Option<String> {
+    Some(match v {
+        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+        AMQPValue::ShortString(s) => s.as_str().to_owned(),
+        AMQPValue::Boolean(b) => b.to_string(),
+        AMQPValue::ByteArray(b) => String::from_utf8_lossy(b.as_slice()).into_owned(),
+        AMQPValue::Timestamp(t) => t.to_string(),
+        other => value_int(other)?.to_string(),
+    })
+}
+
+/// The integer value of any AMQP integer type.
+pub fn value_int(v: &AMQPValue) -> Option<i128> {
+    Some(match v {
+        AMQPValue::ShortShortInt(n) => (*n).into(),
+        AMQPValue::ShortShortUInt(n) => (*n).into(),
+        AMQPValue::ShortInt(n) => (*n).into(),
+        AMQPValue::ShortUInt(n) => (*n).into(),
+        AMQPValue::LongInt(n) => (*n).into(),
+        AMQPValue::LongUInt(n) => (*n).into(),
+        AMQPValue::LongLongInt(n) => (*n).into(),
+        AMQPValue::Timestamp(n) => (*n).into(),
+        _ => return None,
+    })
+}
+
+/// The `x-death` entries, most recent first (as RabbitMQ orders them). Malformed entries are
+/// skipped rather than failing the message: a death we cannot read is a death we do not count.
+pub fn deaths(props: &BasicProperties) -> Vec<Death> {
+    let Some(AMQPValue::FieldArray(entries)) =
+        headers(props).and_then(|h| h.inner().get("x-death"))
+    else {
+        return Vec::new();
+    };
+    entries
+        .as_slice()
+        .iter()
+        .filter_map(|e| match e {
+            AMQPValue::FieldTable(t) => Some(death(t)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn death(t: &FieldTable) -> Death {
+    let text = |k: &str| t.inner().get(k).and_then(value_text).unwrap_or_default();
+    let routing_keys = match t.inner().get("routing-keys") {
+        Some(AMQPValue::FieldArray(a)) => a.as_slice().iter().filter_map(value_text).collect(),
+        _ => Vec::new(),
+    };
+    Death {
+        queue: text("queue"),
+        reason: text("reason"),
+        count: t
+            .inner()
+            .get("count")
+            .and_then(value_int)
+            .map_or(1, |n| n.clamp(0, u64::MAX.into()) as u64),
+        exchange: text("exchange"),
+        routing_keys,
+    }
+}
+
+/// How many times replays have published this message already.
+pub fn replay_count(props: &BasicProperties) -> u64 {
+    headers(props)
+        .and_then(|h| h.inner().get(REPLAY_COUNT))
+        .and_then(|v| value_int(v).or_else(|| value_text(v)?.parse().ok()))
+        .map_or(0, |n| n.clamp(0, u64::MAX.into()) as u64)
+}
+
+/// Dead-letterings so far: every `x-death` count plus the replays that sent it back.
+pub fn death_count(props: &BasicProperties) -> u64 {
+    deaths(props)
+        .iter()
+        .map(|d| d.count)
+        .fold(replay_count(props), u64::saturating_add)
+}
+
+/// A stable name for the message in audit rows: its `message-id`, else a hash of its body.
+pub fn identity(props: &BasicProperties, body: &[u8]) -> String {
+    match props.message_id() {
+        Some(id) if !id.as_str().is_empty() => id.as_str().to_owned(),
+        _ => format!("sha256:{}", &hex::encode(Sha256::digest(body))[..32]),
+    }
+}
+
+/// A fingerprint of the message itself (message id and body), to recognise the very same message
+/// when a crash made the broker deliver it again.
+pub fn fingerprint(props: &BasicProperties, body: &[u8]) -> String {
+    let mut h = Sha256::new();
+    h.update(
+        props
+            .message_id()
+            .as_ref()
+            .map_or("", |m| m.as_str())
+            .as_bytes(),
+    );
+    h.update([0]);
+    h.update(body);
+    format!("m:{}", &hex::encode(h.finalize())[..32])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lapin::types::{FieldArray, LongString};
+
+    fn with_death(count: AMQPValue) -> BasicProperties {
+        let mut d = FieldTable::default();
+        d.insert("queue".into(), AMQPValue::LongString("work".into()));
+        d.insert("reason".into(), AMQPValue::LongString("rejected".into()));
+        d.insert("count".into(), count);
+        d.insert("exchange".into(), AMQPValue::LongString("jobs".into()));
+        let mut keys = FieldArray::default();
+        keys.push(AMQPValue::LongString(LongString::from("job.run")));
+        d.insert("routing-keys".into(), AMQPValue::FieldArray(keys));
+        let mut arr = FieldArray::default();
+        arr.push(AMQPValue::FieldTable(d));
+        let mut h = FieldTable::default();
+        h.insert("x-death".into(), AMQPValue::FieldArray(arr));
+        h.insert(REPLAY_COUNT.into(), AMQPValue::LongInt(2));
+        BasicProperties::default().with_headers(h)
+    }
+
+    #[test]
+    fn reads_the_most_recent_death_and_sums_counts_with_replays() {
+        let p = with_death(AMQPValue::LongLongInt(3));
+        let d = deaths(&p);
+        assert_eq!(d[0].queue, "work");
+        assert_eq!(d[0].routing_keys, vec!["job.run".to_string()]);
+        assert_eq!(death_count(&p), 5);
+    }
+
+    #[test]
+    fn a_negative_or_odd_count_does_not_panic() {
+        let p = with_death(AMQPValue::LongInt(-7));
+        assert_eq!(death_count(&p), 2);
+        let p = with_death(AMQPValue::Void);
+        assert_eq!(death_count(&p), 3);
+    }
+
+    #[test]
+    fn identity_prefers_message_id() {
+        let p = BasicProperties::default().with_message_id("m-1".into());
+        assert_eq!(identity(&p, b"x"), "m-1");
+        let id = identity(&BasicProperties::default(), b"x");
+        assert!(id.starts_with("sha256:") && id.len() == 39, "{id}");
+    }
+}

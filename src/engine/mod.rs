@@ -1,0 +1,719 @@
+//! The replay engine: one decision per message, nothing acked before its outcome is durable.
+//!
+//! No Kubernetes in here: the CLI and the controller both hand the engine a [`Replay`] (a spec
+//! plus resolved URLs) and watch its [`Progress`].
+
+pub mod classify;
+pub mod key;
+pub mod message;
+pub mod plan;
+pub mod publish;
+pub mod source;
+pub mod store;
+
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
+use lapin::message::Delivery;
+use lapin::options::QueueDeclareOptions;
+use lapin::types::FieldTable;
+use lapin::{Connection, ConnectionProperties};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::api::{AuditRef, Counts, DlqReplaySpec, DlqReplayStatus, IdempotencyMode, Phase};
+use crate::Error;
+use classify::{Destination, Rules, SkipReason, Verdict};
+use source::Source;
+use store::{AuditRow, Store};
+
+/// A replay ready to run: its spec and the URLs its secrets resolved to.
+#[derive(Clone, Debug)]
+pub struct Replay {
+    /// The namespace (`default` for manifests without one).
+    pub namespace: String,
+    /// The name: together with the namespace it identifies the replay across runs.
+    pub name: String,
+    /// What to do.
+    pub spec: DlqReplaySpec,
+    /// The broker URL.
+    pub amqp_url: String,
+    /// The Redis URL (audit trail, replay state, idempotency keys).
+    pub redis_url: String,
+}
+
+/// Knobs that are not part of the spec.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Messages decided together: the in-flight window, and so the most a crash can leave
+    /// unknown.
+    pub batch: usize,
+    /// How long to wait for a delivery before looking at the queue again.
+    pub idle: Duration,
+    /// How long the queue may hold messages without delivering any before the replay gives up.
+    pub stall: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            batch: 256,
+            idle: Duration::from_millis(500),
+            stall: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Where the engine publishes its status as it goes.
+pub type Progress = watch::Sender<DlqReplayStatus>;
+
+/// A timestamp in the form status and audit rows use.
+pub fn now() -> String {
+    chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+}
+
+/// The AMQP user of a URL (what `user-id` must equal), `guest` when absent.
+pub fn amqp_user(url: &str) -> String {
+    url::Url::parse(url)
+        .ok()
+        .map(|u| u.username().to_string())
+        .filter(|u| !u.is_empty())
+        .unwrap_or_else(|| "guest".into())
+}
+
+/// Connect to the broker with a connection name that says who we are (so an operator can find,
+/// or close, our connections in `rabbitmqctl list_connections`).
+pub async fn connect_amqp(url: &str, name: &str) -> Result<Connection, Error> {
+    let props = ConnectionProperties::default().with_connection_name(name.into());
+    Connection::connect(url, props).await.map_err(|e| {
+        Error::Broker(format!(
+            "cannot connect: {}",
+            crate::redact::error(&e.to_string(), url)
+        ))
+    })
+}
+
+/// Run a replay to its end (or until `cancel`), publishing status on `progress`.
+///
+/// Errors before the first message is touched (unreachable broker or Redis, missing source
+/// queue) are returned as `Err`; a failure mid-run ends the replay in phase `Failed`, with
+/// everything not settled still in the dead-letter queue.
+pub async fn run(
+    replay: &Replay,
+    opts: &Options,
+    progress: &Progress,
+    cancel: &CancellationToken,
+) -> Result<DlqReplayStatus, Error> {
+    if replay.spec.dry_run {
+        let report = plan::plan(replay).await?;
+        let status = report.status();
+        progress.send_replace(status.clone());
+        return Ok(status);
+    }
+    let label = format!("dlq-replay {}/{}", replay.namespace, replay.name);
+    let src_conn = connect_amqp(&replay.amqp_url, &format!("{label} source")).await?;
+    let depth = source::queue_state(&src_conn, &replay.spec.source.queue)
+        .await?
+        .ok_or_else(|| Error::SourceMissing(replay.spec.source.queue.clone()))?
+        .0;
+    let con = store::connect(&replay.redis_url).await?;
+    let (store, state) =
+        Store::begin(con, &replay.namespace, &replay.name, depth.into(), &now()).await?;
+    if let Some(done) = &state.final_status {
+        let status: DlqReplayStatus = serde_json::from_str(done)
+            .map_err(|e| Error::Redis(format!("stored final status is unreadable: {e}")))?;
+        progress.send_replace(status.clone());
+        return Ok(status);
+    }
+    declare_quarantine(&src_conn, &replay.spec.quarantine.queue).await?;
+    let pub_conn = connect_amqp(&replay.amqp_url, &format!("{label} publish")).await?;
+    let publisher = publish::Publisher::open(pub_conn, &amqp_user(&replay.amqp_url)).await?;
+    let mut status = initial_status(&state, store.keys().audit.clone());
+    status.phase = Some(Phase::Draining);
+    status.message = Some(format!("replaying, {depth} messages in the queue"));
+    progress.send_replace(status.clone());
+
+    let batch = batch_size(&replay.spec, opts.batch);
+    let src = Source::open(
+        &src_conn,
+        &replay.spec.source.queue,
+        (batch * 2).min(u16::MAX as usize) as u16,
+    )
+    .await?;
+    let mut drain = Drain::new(
+        replay,
+        &state,
+        src,
+        publisher,
+        store,
+        status,
+        depth.into(),
+        batch,
+    );
+    let end = drain.run(opts, progress, cancel).await;
+    let mut status = drain.finish(end).await;
+    if status.phase == Some(Phase::Done) {
+        if let Ok(json) = serde_json::to_string(&status) {
+            if let Err(e) = drain.store.finish(&json).await {
+                status.phase = Some(Phase::Failed);
+                status.message = Some(format!("could not record the final status: {e}"));
+            }
+        }
+    }
+    let _ = src_conn.close(200, "done".into()).await;
+    progress.send_replace(status.clone());
+    Ok(status)
+}
+
+async fn declare_quarantine(conn: &Connection, queue: &str) -> Result<(), Error> {
+    if source::queue_state(conn, queue).await?.is_some() {
+        return Ok(());
+    }
+    let ch = conn.create_channel().await?;
+    ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions::durable(),
+        FieldTable::default(),
+    )
+    .await?;
+    let _ = ch.close(200, "ok".into()).await;
+    Ok(())
+}
+
+fn initial_status(state: &store::State, audit_key: String) -> DlqReplayStatus {
+    DlqReplayStatus {
+        phase: Some(Phase::Pending),
+        replay_id: Some(state.replay_id.clone()),
+        source_depth_at_start: Some(state.depth_at_start),
+        counts: state.counts,
+        audit: Some(AuditRef {
+            key: audit_key,
+            records: state.records,
+        }),
+        started_at: Some(state.started_at.clone()),
+        ..Default::default()
+    }
+}
+
+/// With a rate limit, a batch holds about a quarter second of messages, so the in-flight window
+/// (and the status) follow the rate rather than lag behind it.
+fn batch_size(spec: &DlqReplaySpec, max: usize) -> usize {
+    match &spec.rate {
+        Some(r) => ((r.messages_per_second / 4) as usize).clamp(1, max.max(1)),
+        None => max.max(1),
+    }
+}
+
+fn limiter(spec: &DlqReplaySpec) -> Option<DefaultDirectRateLimiter> {
+    let rate = spec.rate.as_ref()?;
+    let per_second = NonZeroU32::new(rate.messages_per_second)?;
+    // Default burst: a twentieth of a second's worth, so no second sees much more than the rate.
+    let burst = rate.burst.unwrap_or((rate.messages_per_second / 20).max(1));
+    let burst = NonZeroU32::new(burst).unwrap_or(NonZeroU32::MIN);
+    Some(RateLimiter::direct(
+        Quota::per_second(per_second).allow_burst(burst),
+    ))
+}
+
+/// What happens to one message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Act {
+    Skip { reason: String, returned: bool },
+    Quarantine(String),
+    Replay(Destination),
+    Duplicate { reason: String, same_attempt: bool },
+    AlreadySettled,
+    Replayed(Destination),
+    Quarantined(String),
+    Failed(String),
+}
+
+struct Item {
+    delivery: Delivery,
+    /// What audit rows call the message (message id or body hash).
+    identity: String,
+    /// What the settled marks call it: a hash of message id and body.
+    fingerprint: String,
+    key: Option<String>,
+    act: Act,
+}
+
+enum End {
+    Drained,
+    LimitReached,
+    Cancelled,
+    HoldFull,
+    Error(Error),
+}
+
+struct Drain<'a> {
+    replay: &'a Replay,
+    replay_id: String,
+    claim_value: String,
+    source: Option<Source>,
+    publisher: publish::Publisher,
+    store: Store,
+    limiter: Option<DefaultDirectRateLimiter>,
+    status: DlqReplayStatus,
+    bound: u64,
+    seen: u64,
+    selected: u64,
+    batch: usize,
+}
+
+impl<'a> Drain<'a> {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        replay: &'a Replay,
+        state: &store::State,
+        source: Source,
+        publisher: publish::Publisher,
+        store: Store,
+        status: DlqReplayStatus,
+        bound: u64,
+        batch: usize,
+    ) -> Self {
+        Self {
+            replay,
+            replay_id: state.replay_id.clone(),
+            claim_value: format!("{}/{}", state.replay_id, state.attempt),
+            source: Some(source),
+            publisher,
+            store,
+            limiter: limiter(&replay.spec),
+            // A resumed replay's earlier selections count against the limit.
+            selected: state.counts.scanned - state.counts.skipped,
+            status,
+            bound,
+            seen: 0,
+            batch,
+        }
+    }
+
+    async fn run(
+        &mut self,
+        opts: &Options,
+        progress: &Progress,
+        cancel: &CancellationToken,
+    ) -> End {
+        let mut stalled = Duration::ZERO;
+        loop {
+            if self.seen >= self.bound {
+                return End::Drained;
+            }
+            if self.limit_reached() {
+                return End::LimitReached;
+            }
+            if cancel.is_cancelled() {
+                return End::Cancelled;
+            }
+            let want = self.batch.min((self.bound - self.seen) as usize);
+            let Some(src) = self.source.as_mut() else {
+                return End::Drained;
+            };
+            let deliveries = match src.next_batch(want, opts.idle).await {
+                Ok(d) => d,
+                Err(e) => return End::Error(e),
+            };
+            if deliveries.is_empty() {
+                match self.queue_is_empty().await {
+                    Ok(true) => return End::Drained,
+                    Ok(false) if stalled >= opts.stall => {
+                        return End::Error(Error::Broker(format!(
+                            "the dead-letter queue holds messages but delivered none for {}s (another consumer, or a consumer timeout?)",
+                            opts.stall.as_secs()
+                        )))
+                    }
+                    Ok(false) => stalled += opts.idle,
+                    Err(e) => return End::Error(e),
+                }
+                continue;
+            }
+            stalled = Duration::ZERO;
+            match self.step(deliveries).await {
+                Ok(true) => {}
+                Ok(false) => return End::HoldFull,
+                Err(e) => return End::Error(e),
+            }
+            self.report(progress);
+        }
+    }
+
+    fn limit_reached(&self) -> bool {
+        self.replay
+            .spec
+            .selector
+            .limit
+            .is_some_and(|l| self.selected >= l)
+    }
+
+    async fn queue_is_empty(&self) -> Result<bool, Error> {
+        let conn = self.publisher_conn();
+        Ok(source::queue_state(conn, &self.replay.spec.source.queue)
+            .await?
+            .is_none_or(|s| s.0 == 0))
+    }
+
+    fn publisher_conn(&self) -> &Connection {
+        self.publisher.connection()
+    }
+
+    /// Decide, settle and acknowledge one batch. Returns false when the held messages no longer
+    /// fit in the prefetch window.
+    async fn step(&mut self, deliveries: Vec<Delivery>) -> Result<bool, Error> {
+        let mut items = self.classify(deliveries);
+        self.gate(&mut items).await?;
+        self.publish(&mut items).await?;
+        self.settle(items).await
+    }
+
+    fn classify(&mut self, deliveries: Vec<Delivery>) -> Vec<Item> {
+        let rules = Rules::of(&self.replay.spec, &self.replay_id);
+        let mut items = Vec::with_capacity(deliveries.len());
+        for delivery in deliveries {
+            if self.seen >= self.bound {
+                // Prefetched beyond the bound: not ours; it goes back untouched when the channel
+                // closes.
+                break;
+            }
+            self.seen += 1;
+            let props = &delivery.properties;
+            let identity = message::identity(props, &delivery.data);
+            let fingerprint = message::fingerprint(props, &delivery.data);
+            let verdict = if self.limit_reached() {
+                Verdict::Skip(SkipReason::NotSelected("selector.limit reached".into()))
+            } else {
+                classify::classify(&rules, props, &delivery.data)
+            };
+            let (act, key) = match verdict {
+                Verdict::Skip(SkipReason::Returned) => (
+                    Act::Skip {
+                        reason: "returned: died again after this replay".into(),
+                        returned: true,
+                    },
+                    None,
+                ),
+                Verdict::Skip(SkipReason::NotSelected(r)) => (
+                    Act::Skip {
+                        reason: r,
+                        returned: false,
+                    },
+                    None,
+                ),
+                Verdict::Poison(r) => (Act::Quarantine(r), None),
+                Verdict::Replay { key, destination } => (Act::Replay(destination), key),
+            };
+            if !matches!(act, Act::Skip { .. }) {
+                self.selected += 1;
+            }
+            items.push(Item {
+                delivery,
+                identity,
+                fingerprint,
+                key,
+                act,
+            });
+        }
+        items
+    }
+
+    /// The idempotency gate and the resume check, in one Redis round trip for the batch.
+    async fn gate(&mut self, items: &mut [Item]) -> Result<(), Error> {
+        let asks: Vec<usize> = (0..items.len())
+            .filter(|&i| matches!(items[i].act, Act::Replay(_) | Act::Quarantine(_)))
+            .collect();
+        if asks.is_empty() {
+            return Ok(());
+        }
+        let key_fields: Vec<Option<String>> = asks
+            .iter()
+            .map(|&i| items[i].key.as_ref().map(|k| format!("key:{k}")))
+            .collect();
+        let fields: Vec<(&str, Option<&str>)> = asks
+            .iter()
+            .zip(&key_fields)
+            .map(|(&i, k)| (items[i].fingerprint.as_str(), k.as_deref()))
+            .collect();
+        let keys: Vec<Option<&str>> = asks
+            .iter()
+            .map(|&i| match items[i].act {
+                Act::Replay(_) => items[i].key.as_deref(),
+                _ => None,
+            })
+            .collect();
+        let idem = self.replay.spec.idempotency.as_ref();
+        let claim = idem
+            .filter(|i| i.mode == IdempotencyMode::Claim)
+            .map(|i| (self.claim_value.as_str(), i.ttl_seconds));
+        let lookups = self.store.lookup(&fields, &keys, claim).await?;
+        let done = idem.map(|i| i.done_value.as_str()).unwrap_or("");
+        let prefix = format!("{}/", self.replay_id);
+        for (&i, l) in asks.iter().zip(lookups) {
+            let item = &mut items[i];
+            if item.delivery.redelivered && l.settled.is_some() {
+                // Settled by an earlier run whose ack was lost: its audit row exists already.
+                item.act = Act::AlreadySettled;
+                continue;
+            }
+            if !matches!(item.act, Act::Replay(_)) || item.key.is_none() {
+                continue;
+            }
+            item.act = match (claim, l.value.as_deref()) {
+                (_, Some(v)) if v == done => Act::Duplicate { reason: "key is done".into(), same_attempt: false },
+                (None, _) => continue,
+                (Some(_), _) if l.claimed => continue,
+                (Some((mine, _)), Some(v)) if v == mine => Act::Duplicate {
+                    reason: "key already replayed by this replay".into(),
+                    same_attempt: true,
+                },
+                (Some(_), Some(v)) if v.starts_with(&prefix) => match l.key_replayed {
+                    Some(_) => Act::Duplicate { reason: "key already replayed by this replay".into(), same_attempt: false },
+                    // Claimed by an earlier run of this replay that crashed before recording
+                    // the outcome: it may or may not have been published. Never twice.
+                    None => Act::Quarantine(
+                        "OutcomeUnknown: claimed by an earlier run of this replay that stopped before recording the publish".into(),
+                    ),
+                },
+                (Some(_), Some(v)) => Act::Duplicate { reason: format!("key is claimed ({v})"), same_attempt: false },
+                // The claim was refused but the key vanished in between (expired): leave it.
+                (Some(_), None) => Act::Failed("claim refused, then the key vanished; left in the queue".into()),
+            };
+        }
+        Ok(())
+    }
+
+    /// Publish quarantines and replays, then wait for every confirm of the batch.
+    async fn publish(&mut self, items: &mut [Item]) -> Result<(), Error> {
+        self.publisher.ensure_open().await?;
+        let quarantine = Destination {
+            exchange: String::new(),
+            routing_key: self.replay.spec.quarantine.queue.clone(),
+        };
+        let user = self.publisher.user().to_string();
+        let mut pending = Vec::new();
+        for (i, item) in items.iter_mut().enumerate() {
+            let props = &item.delivery.properties;
+            let (dest, props) = match &item.act {
+                Act::Quarantine(reason) => (
+                    quarantine.clone(),
+                    publish::quarantine_properties(props, &self.replay_id, reason, &user),
+                ),
+                Act::Replay(dest) => {
+                    if !self.publisher.exchange_exists(&dest.exchange).await? {
+                        item.act = Act::Failed(format!(
+                            "NoExchange: exchange {:?} does not exist",
+                            dest.exchange
+                        ));
+                        continue;
+                    }
+                    if let Some(l) = &self.limiter {
+                        l.until_ready().await;
+                    }
+                    let p = publish::replay_properties(
+                        props,
+                        &self.replay_id,
+                        item.key.as_deref(),
+                        &user,
+                    );
+                    (dest.clone(), p)
+                }
+                _ => continue,
+            };
+            match self.publisher.send(&dest, props, &item.delivery.data).await {
+                Ok(confirm) => pending.push((i, confirm)),
+                Err(e) => item.act = Act::Failed(format!("PublishError: {e}")),
+            }
+        }
+        let (idx, confirms): (Vec<usize>, Vec<_>) = pending.into_iter().unzip();
+        let results = futures::future::join_all(confirms).await;
+        for (i, res) in idx.into_iter().zip(results) {
+            let item = &mut items[i];
+            item.act = match (publish::outcome(res), &item.act) {
+                (Ok(()), Act::Replay(d)) => Act::Replayed(d.clone()),
+                (Ok(()), Act::Quarantine(r)) => Act::Quarantined(r.clone()),
+                (Err(why), _) => Act::Failed(why),
+                (Ok(()), other) => other.clone(),
+            };
+        }
+        // A message whose key was claimed earlier in this batch by one that failed is not a
+        // duplicate after all: its work never went out. It stays in the queue.
+        let failed: std::collections::HashSet<&str> = items
+            .iter()
+            .filter(|it| matches!(it.act, Act::Failed(_)))
+            .filter_map(|it| it.key.as_deref())
+            .collect();
+        let orphans: Vec<usize> = (0..items.len())
+            .filter(|&i| {
+                matches!(
+                    items[i].act,
+                    Act::Duplicate {
+                        same_attempt: true,
+                        ..
+                    }
+                ) && items[i].key.as_deref().is_some_and(|k| failed.contains(k))
+            })
+            .collect();
+        for i in orphans {
+            items[i].act =
+                Act::Failed("same key as a message of this batch whose publish failed".into());
+        }
+        Ok(())
+    }
+
+    /// Record the batch (audit rows, settled marks, counts) atomically, then ack what is settled
+    /// and hold what stays.
+    async fn settle(&mut self, items: Vec<Item>) -> Result<bool, Error> {
+        let mut rows = Vec::new();
+        let mut settled = Vec::new();
+        let mut release = Vec::new();
+        let mut delta = Counts::default();
+        let mut acks = Vec::new();
+        let mut held = 0u32;
+        let time = now();
+        let claiming = self
+            .replay
+            .spec
+            .idempotency
+            .as_ref()
+            .is_some_and(|i| i.mode == IdempotencyMode::Claim);
+        for item in &items {
+            let (decision, reason, destination) = match &item.act {
+                Act::AlreadySettled => {
+                    acks.push(item.delivery.delivery_tag);
+                    continue;
+                }
+                Act::Skip { returned, .. } => {
+                    delta.scanned += 1;
+                    delta.skipped += 1;
+                    delta.returned += u64::from(*returned);
+                    held += 1;
+                    continue;
+                }
+                Act::Replayed(d) => {
+                    delta.replayed += 1;
+                    (
+                        "replayed",
+                        String::new(),
+                        format!("{}/{}", d.exchange, d.routing_key),
+                    )
+                }
+                Act::Quarantined(r) => {
+                    delta.quarantined += 1;
+                    (
+                        "quarantined",
+                        r.clone(),
+                        self.replay.spec.quarantine.queue.clone(),
+                    )
+                }
+                Act::Duplicate { reason, .. } => {
+                    delta.duplicates += 1;
+                    ("duplicate", reason.clone(), String::new())
+                }
+                Act::Failed(r) => {
+                    delta.failed += 1;
+                    held += 1;
+                    if claiming {
+                        if let Some(k) = &item.key {
+                            release.push((k.clone(), self.claim_value.clone()));
+                        }
+                    }
+                    ("failed", r.clone(), String::new())
+                }
+                // Publish resolves every Replay and Quarantine.
+                Act::Replay(_) | Act::Quarantine(_) => continue,
+            };
+            delta.scanned += 1;
+            if decision != "failed" {
+                settled.push((item.fingerprint.clone(), decision.to_string()));
+                if decision == "replayed" {
+                    if let Some(k) = &item.key {
+                        settled.push((format!("key:{k}"), item.identity.clone()));
+                    }
+                }
+                acks.push(item.delivery.delivery_tag);
+            }
+            rows.push(AuditRow {
+                id: String::new(),
+                replay: self.replay_id.clone(),
+                message: item.identity.clone(),
+                decision: decision.into(),
+                key: item.key.clone().unwrap_or_default(),
+                reason,
+                destination,
+                canary: false,
+                time: time.clone(),
+            });
+        }
+        let records = self.store.commit(&rows, &settled, &release, &delta).await?;
+        let src = self
+            .source
+            .as_mut()
+            .ok_or_else(|| Error::Broker("source closed".into()))?;
+        src.ack(&acks).await?;
+        let fits = src.hold(held).await?;
+        add(&mut self.status.counts, &delta);
+        if let Some(a) = self.status.audit.as_mut() {
+            a.records = records;
+        }
+        Ok(fits)
+    }
+
+    fn report(&mut self, progress: &Progress) {
+        let left = self.bound.saturating_sub(self.seen);
+        self.status.message = Some(format!("replaying, {left} left of this pass"));
+        progress.send_replace(self.status.clone());
+    }
+
+    /// Close the pass: everything still unacked goes back to the queue in place.
+    async fn finish(&mut self, end: End) -> DlqReplayStatus {
+        if let Some(src) = self.source.take() {
+            if let Err(e) = src.close().await {
+                tracing::warn!(error = %e, "closing the dead-letter queue channel");
+            }
+        }
+        let mut status = self.status.clone();
+        let c = status.counts;
+        let summary = format!(
+            "replayed {}, duplicates {}, quarantined {}, skipped {}, failed {}",
+            c.replayed, c.duplicates, c.quarantined, c.skipped, c.failed
+        );
+        let (phase, message) = match end {
+            End::Drained => (Phase::Done, summary),
+            End::LimitReached => {
+                let rest = self.bound - self.seen;
+                // The rest were not looked at; they stay where they are.
+                if rest > 0 {
+                    let delta = Counts { scanned: rest, skipped: rest, ..Default::default() };
+                    if let Err(e) = self.store.commit(&[], &[], &[], &delta).await {
+                        tracing::warn!(error = %e, "recording the messages left by selector.limit");
+                    }
+                    add(&mut status.counts, &delta);
+                }
+                (Phase::Done, format!("selector.limit reached; {summary}"))
+            }
+            End::HoldFull => (
+                Phase::Done,
+                format!("stopped after holding {} messages in place (the AMQP prefetch maximum); the rest were not looked at; {summary}", u16::MAX),
+            ),
+            End::Cancelled => (Phase::Suspended, format!("stopped; run it again to resume; {summary}")),
+            End::Error(e) => (Phase::Failed, format!("{e}; unsettled messages are still in the dead-letter queue; run it again to resume")),
+        };
+        status.phase = Some(phase);
+        status.message = Some(message);
+        if phase == Phase::Done {
+            status.finished_at = Some(now());
+        }
+        status
+    }
+}
+
+fn add(c: &mut Counts, d: &Counts) {
+    c.scanned += d.scanned;
+    c.replayed += d.replayed;
+    c.duplicates += d.duplicates;
+    c.quarantined += d.quarantined;
+    c.skipped += d.skipped;
+    c.failed += d.failed;
+    c.returned += d.returned;
+}

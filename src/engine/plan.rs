@@ -1,0 +1,169 @@
+//! The dry run: classify every message the replay would see, change nothing.
+//!
+//! Messages are fetched with `basic.get` and never acked; closing the channel hands all of them
+//! back to the queue in their original positions. The idempotency store is only read.
+
+use std::collections::BTreeMap;
+
+use lapin::options::BasicGetOptions;
+use serde::Serialize;
+
+use crate::api::{Counts, DlqReplayStatus, IdempotencyMode, Phase};
+use crate::engine::classify::{self, Rules, SkipReason, Verdict};
+use crate::engine::{connect_amqp, now, source, store, Replay};
+use crate::Error;
+
+/// What a replay would do.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct PlanReport {
+    /// Messages in the queue when the plan looked.
+    pub depth: u64,
+    /// Would-be decisions (`replayed` = would be replayed).
+    pub counts: Counts,
+    /// Would-be decisions per failure signature.
+    pub by_signature: BTreeMap<String, Counts>,
+    /// How many messages each quarantine or skip reason covers.
+    pub reasons: BTreeMap<String, u64>,
+}
+
+impl PlanReport {
+    /// The status `run` reports for `dryRun: true`.
+    pub fn status(&self) -> DlqReplayStatus {
+        let c = self.counts;
+        DlqReplayStatus {
+            phase: Some(Phase::Done),
+            source_depth_at_start: Some(self.depth),
+            counts: c,
+            started_at: Some(now()),
+            finished_at: Some(now()),
+            message: Some(format!(
+                "dry run, nothing changed: would replay {}, drop {} duplicates, quarantine {}, skip {}",
+                c.replayed, c.duplicates, c.quarantined, c.skipped
+            )),
+            ..Default::default()
+        }
+    }
+}
+
+/// Classify every message of the source queue without changing anything.
+pub async fn plan(replay: &Replay) -> Result<PlanReport, Error> {
+    let label = format!("dlq-replay {}/{} plan", replay.namespace, replay.name);
+    let conn = connect_amqp(&replay.amqp_url, &label).await?;
+    let queue = &replay.spec.source.queue;
+    let depth = source::queue_state(&conn, queue)
+        .await?
+        .ok_or_else(|| Error::SourceMissing(queue.clone()))?
+        .0;
+    let mut con = match replay.spec.idempotency {
+        Some(_) => Some(store::connect(&replay.redis_url).await?),
+        None => None,
+    };
+    // An existing replay of this name: recognise its own returned messages as it would.
+    let replay_id = match con.clone() {
+        Some(c) => store::Store::peek(c, &replay.namespace, &replay.name)
+            .await?
+            .map(|s| s.replay_id),
+        None => None,
+    }
+    .unwrap_or_default();
+    let rules = Rules::of(&replay.spec, &replay_id);
+    let channel = conn.create_channel().await?;
+    let mut report = PlanReport {
+        depth: depth.into(),
+        ..Default::default()
+    };
+    let mut selected = 0u64;
+    let mut pending: Vec<(String, String)> = Vec::new();
+    for _ in 0..depth {
+        let Some(msg) = channel
+            .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false })
+            .await?
+        else {
+            break;
+        };
+        let d = &msg.delivery;
+        let sig = classify::signature(&replay.spec.canary.signature_header, &d.properties);
+        let limited = replay.spec.selector.limit.is_some_and(|l| selected >= l);
+        let verdict = if limited {
+            Verdict::Skip(SkipReason::NotSelected("selector.limit reached".into()))
+        } else {
+            classify::classify(&rules, &d.properties, &d.data)
+        };
+        let by_sig = report.by_signature.entry(sig.clone()).or_default();
+        report.counts.scanned += 1;
+        by_sig.scanned += 1;
+        match verdict {
+            Verdict::Skip(reason) => {
+                let why = match reason {
+                    SkipReason::Returned => "returned by this replay".to_string(),
+                    SkipReason::NotSelected(r) => r,
+                };
+                bump(&mut report, &sig, |c| c.skipped += 1);
+                *report.reasons.entry(format!("skip: {why}")).or_default() += 1;
+                continue;
+            }
+            Verdict::Poison(r) => {
+                selected += 1;
+                bump(&mut report, &sig, |c| c.quarantined += 1);
+                let kind = r.split(':').next().unwrap_or(&r).to_string();
+                *report
+                    .reasons
+                    .entry(format!("quarantine: {kind}"))
+                    .or_default() += 1;
+            }
+            Verdict::Replay { key: Some(k), .. } if con.is_some() => {
+                selected += 1;
+                pending.push((k, sig));
+            }
+            Verdict::Replay { .. } => {
+                selected += 1;
+                bump(&mut report, &sig, |c| c.replayed += 1);
+            }
+        }
+        if pending.len() >= 256 {
+            resolve(replay, con.as_mut(), &mut pending, &mut report).await?;
+        }
+    }
+    resolve(replay, con.as_mut(), &mut pending, &mut report).await?;
+    // Closing without acking: every fetched message goes back where it was.
+    channel.close(200, "plan done".into()).await?;
+    let _ = conn.close(200, "plan done".into()).await;
+    Ok(report)
+}
+
+fn bump(report: &mut PlanReport, sig: &str, f: impl Fn(&mut Counts)) {
+    f(&mut report.counts);
+    f(report.by_signature.entry(sig.to_string()).or_default());
+}
+
+/// Look the pending keys up (read only): done, or claimed by anyone, means duplicate.
+async fn resolve(
+    replay: &Replay,
+    con: Option<&mut redis::aio::ConnectionManager>,
+    pending: &mut Vec<(String, String)>,
+    report: &mut PlanReport,
+) -> Result<(), Error> {
+    let (Some(con), Some(idem)) = (con, replay.spec.idempotency.as_ref()) else {
+        return Ok(());
+    };
+    if pending.is_empty() {
+        return Ok(());
+    }
+    let keys: Vec<&str> = pending.iter().map(|(k, _)| k.as_str()).collect();
+    let values: Vec<Option<String>> = redis::cmd("MGET").arg(&keys).query_async(con).await?;
+    for ((_, sig), v) in pending.iter().zip(values) {
+        let dup = match (idem.mode, v) {
+            (_, Some(v)) if v == idem.done_value => true,
+            (IdempotencyMode::Claim, Some(_)) => true,
+            _ => false,
+        };
+        if dup {
+            bump(report, sig, |c| c.duplicates += 1);
+        } else {
+            bump(report, sig, |c| c.replayed += 1);
+        }
+    }
+    pending.clear();
+    Ok(())
+}

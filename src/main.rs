@@ -1,0 +1,9 @@
+use std::process::ExitCode;
+
+use clap::Parser;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    dlq_replay::telemetry::init("warn", false);
+    dlq_replay::cli::main(dlq_replay::cli::Cli::parse()).await
+}
