@@ -196,11 +196,11 @@ fn initial_status(state: &store::State, audit_key: String) -> DlqReplayStatus {
     }
 }
 
-/// With a rate limit, a batch holds about a quarter second of messages, so the in-flight window
-/// (and the status) follow the rate rather than lag behind it.
+/// With a rate limit, a batch holds about a tenth of a second of messages: claims are taken per
+/// batch, so this bounds what a crash can leave unknown, and the status follows the rate.
 fn batch_size(spec: &DlqReplaySpec, max: usize) -> usize {
     match &spec.rate {
-        Some(r) => ((r.messages_per_second / 4) as usize).clamp(1, max.max(1)),
+        Some(r) => ((r.messages_per_second / 10) as usize).clamp(1, max.max(1)),
         None => max.max(1),
     }
 }
