@@ -449,7 +449,7 @@ pub struct CanaryStatus {
     /// Until when its return is watched for (RFC 3339).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wait_until: Option<String>,
-    /// Waiting, Passed, Confirmed or DiedAgain.
+    /// Waiting, Passed, Confirmed, DiedAgain or Unconfirmed.
     pub result: CanaryResult,
     /// Why it died again: the new death's reason and, when present, the signature header.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -471,6 +471,8 @@ pub enum CanaryResult {
     Confirmed,
     /// Came back with a new death: this signature's messages are held back.
     DiedAgain,
+    /// `requireDone`: the worker did not mark its key done within the wait; held back.
+    Unconfirmed,
 }
 
 /// Where the audit trail of a replay is.

@@ -76,6 +76,10 @@ pub struct RunArgs {
     /// Do not draw the progress bar.
     #[arg(long)]
     pub no_progress: bool,
+    /// Give up (exit 1, nothing touched) when the pre-flight checks keep the replay Pending this
+    /// many seconds.
+    #[arg(long, default_value_t = 600)]
+    pub pending_timeout: u64,
 }
 
 /// `plan` arguments.
@@ -250,6 +254,10 @@ fn draw_status(pb: &ProgressBar, s: &DlqReplayStatus) {
     let c = s.counts;
     pb.set_length(s.source_depth_at_start.unwrap_or(0));
     pb.set_position(c.scanned);
+    if s.phase == Some(Phase::Canary) || s.phase == Some(Phase::Pending) {
+        pb.set_message(s.message.clone().unwrap_or_default());
+        return;
+    }
     pb.set_message(format!(
         "{} | replayed {} dup {} quar {} skip {} fail {}",
         s.phase.map(|p| p.to_string()).unwrap_or_default(),

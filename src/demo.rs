@@ -32,13 +32,14 @@ pub async fn run(args: DemoArgs) -> Result<ExitCode, Error> {
     let ch = conn.create_channel().await?;
     topo.declare(&ch).await?;
     let mut redis = store::connect(&replay.redis_url).await?;
-    forget_replay(&mut redis, &replay.namespace, &replay.name).await?;
+    forget(&mut redis, &format!("dlq:*:{}/{}*", replay.namespace, replay.name)).await?;
 
     let idem = replay
         .spec
         .idempotency
         .clone()
         .ok_or_else(|| Error::Config("the demo manifest needs spec.idempotency".into()))?;
+    forget(&mut redis, &format!("{}*", idem.key.prefix)).await?;
     let mut jobs = Vec::new();
     let mut done_keys = Vec::new();
     for i in 0..60 {
@@ -92,7 +93,7 @@ pub async fn run(args: DemoArgs) -> Result<ExitCode, Error> {
         redis.clone(),
         idem.done_value.clone(),
     ));
-    let status = cli::run_with_progress(&replay, &Options::default(), true).await?;
+    let status = cli::run_with_progress(&replay, &Options { pending_timeout: Some(Duration::from_secs(60)), ..Options::default() }, true).await?;
     tokio::time::sleep(Duration::from_millis(300)).await;
     worker.abort();
     resource.status = Some(status.clone());
@@ -152,14 +153,9 @@ async fn fixed_worker(
     }
 }
 
-/// Drop the stored state of a replay so the demo can run again from scratch.
-async fn forget_replay(
-    redis: &mut redis::aio::ConnectionManager,
-    namespace: &str,
-    name: &str,
-) -> Result<(), Error> {
-    let pattern = format!("dlq:*:{namespace}/{name}*");
-    let keys: Vec<String> = redis::cmd("KEYS").arg(&pattern).query_async(redis).await?;
+/// Drop the demo's keys (replay state, audit, idempotency) so it can run again from scratch.
+async fn forget(redis: &mut redis::aio::ConnectionManager, pattern: &str) -> Result<(), Error> {
+    let keys: Vec<String> = redis::cmd("KEYS").arg(pattern).query_async(redis).await?;
     if !keys.is_empty() {
         redis::cmd("DEL")
             .arg(&keys)

@@ -3,6 +3,7 @@
 //! No Kubernetes in here: the CLI and the controller both hand the engine a [`Replay`] (a spec
 //! plus resolved URLs) and watch its [`Progress`].
 
+pub mod canary;
 pub mod classify;
 pub mod key;
 pub mod message;
@@ -53,6 +54,12 @@ pub struct Options {
     pub idle: Duration,
     /// How long the queue may hold messages without delivering any before the replay gives up.
     pub stall: Duration,
+    /// How long a replay may stay `Pending` before `run` gives up (`None`: forever).
+    pub pending_timeout: Option<Duration>,
+    /// How often a `Pending` replay checks again.
+    pub recheck: Duration,
+    /// How often the canary watch looks for returns.
+    pub look: Duration,
 }
 
 impl Default for Options {
@@ -61,6 +68,9 @@ impl Default for Options {
             batch: 256,
             idle: Duration::from_millis(500),
             stall: Duration::from_secs(30),
+            pending_timeout: None,
+            recheck: Duration::from_secs(5),
+            look: Duration::from_millis(250),
         }
     }
 }
@@ -128,29 +138,47 @@ pub async fn run(
     }
     declare_quarantine(&src_conn, &replay.spec.quarantine.queue).await?;
     let pub_conn = connect_amqp(&replay.amqp_url, &format!("{label} publish")).await?;
-    let publisher = publish::Publisher::open(pub_conn, &amqp_user(&replay.amqp_url)).await?;
+    let mut publisher = publish::Publisher::open(pub_conn, &amqp_user(&replay.amqp_url)).await?;
+    let (mut store, state) = (store, state);
     let mut status = initial_status(&state, store.keys().audit.clone());
+    let phase = canary_phase(
+        replay, opts, progress, cancel, &src_conn, &state, &mut publisher, &mut store, &mut status,
+    )
+    .await;
+    let held = match phase {
+        Ok(CanaryEnd::Drain(held)) => held,
+        Ok(CanaryEnd::Stop) => {
+            if status.phase == Some(Phase::CanaryFailed) {
+                status.finished_at = Some(now());
+                if let Ok(json) = serde_json::to_string(&status) {
+                    store.finish(&json).await?;
+                }
+            }
+            let _ = src_conn.close(200, "done".into()).await;
+            progress.send_replace(status.clone());
+            return Ok(status);
+        }
+        Err(e) => {
+            status.phase = Some(Phase::Failed);
+            status.message = Some(format!("{e}; nothing else was replayed; run it again to resume"));
+            progress.send_replace(status.clone());
+            return Ok(status);
+        }
+    };
+    // The canaries (and what came back) changed the queue: the drain's bound is what it holds now.
+    let depth = source::queue_state(&src_conn, &replay.spec.source.queue)
+        .await?
+        .ok_or_else(|| Error::SourceMissing(replay.spec.source.queue.clone()))?
+        .0;
     status.phase = Some(Phase::Draining);
     status.message = Some(format!("replaying, {depth} messages in the queue"));
     progress.send_replace(status.clone());
 
     let batch = batch_size(&replay.spec, opts.batch);
-    let src = Source::open(
-        &src_conn,
-        &replay.spec.source.queue,
-        (batch * 2).min(u16::MAX as usize) as u16,
-    )
-    .await?;
-    let mut drain = Drain::new(
-        replay,
-        &state,
-        src,
-        publisher,
-        store,
-        status,
-        depth.into(),
-        batch,
-    );
+    let window = (batch * 2).min(u16::MAX as usize) as u16;
+    let src = Source::open(&src_conn, &replay.spec.source.queue, window).await?;
+    let mut drain = Drain::new(replay, &state, src, publisher, store, status, depth.into(), batch);
+    drain.held_back = held;
     let end = drain.run(opts, progress, cancel).await;
     let mut status = drain.finish(end).await;
     if status.phase == Some(Phase::Done) {
@@ -164,6 +192,97 @@ pub async fn run(
     let _ = src_conn.close(200, "done".into()).await;
     progress.send_replace(status.clone());
     Ok(status)
+}
+
+enum CanaryEnd {
+    /// Drain, holding back these signatures.
+    Drain(std::collections::HashSet<String>),
+    /// Do not drain: the status says why.
+    Stop,
+}
+
+/// Pending → Canary: check the ground, send one canary per signature, watch, decide.
+#[allow(clippy::too_many_arguments)]
+async fn canary_phase(
+    replay: &Replay,
+    opts: &Options,
+    progress: &Progress,
+    cancel: &CancellationToken,
+    conn: &Connection,
+    state: &store::State,
+    publisher: &mut publish::Publisher,
+    store: &mut Store,
+    status: &mut DlqReplayStatus,
+) -> Result<CanaryEnd, Error> {
+    let spec = &replay.spec;
+    if let Some(json) = &state.canary {
+        // A resumed replay keeps the decisions its canaries already made.
+        status.canary = serde_json::from_str(json).map_err(|e| Error::Redis(format!("stored canary results: {e}")))?;
+        return Ok(CanaryEnd::Drain(held_of(&status.canary)));
+    }
+    if !spec.canary.enabled {
+        return Ok(CanaryEnd::Drain(Default::default()));
+    }
+    let claim_value = format!("{}/{}", state.replay_id, state.attempt);
+    let mut redis = store.redis();
+    let started = tokio::time::Instant::now();
+    let mut watch = loop {
+        let sel = canary::send(conn, spec, &state.replay_id, &claim_value, publisher, store, &mut redis).await?;
+        match sel {
+            canary::Selection::Sent(w) => break w,
+            canary::Selection::Nothing => return Ok(CanaryEnd::Drain(Default::default())),
+            canary::Selection::TooMuchPoison(why) => {
+                status.phase = Some(Phase::Failed);
+                status.message = Some(why);
+                return Ok(CanaryEnd::Stop);
+            }
+            canary::Selection::Pending(why) => {
+                status.phase = Some(Phase::Pending);
+                status.message = Some(format!("{why}; checking again every {}s", opts.recheck.as_secs()));
+                progress.send_replace(status.clone());
+                let timed_out = opts.pending_timeout.is_some_and(|t| started.elapsed() >= t);
+                if timed_out || cancel.is_cancelled() {
+                    status.message = Some(format!("still Pending ({why}); gave up waiting, nothing was touched"));
+                    return Ok(CanaryEnd::Stop);
+                }
+                tokio::time::sleep(opts.recheck).await;
+            }
+        }
+    };
+    add(&mut status.counts, &watch.delta);
+    if let Some(a) = status.audit.as_mut() {
+        a.records = watch.records;
+    }
+    status.phase = Some(Phase::Canary);
+    let until = watch.canaries.first().and_then(|c| c.wait_until.clone()).unwrap_or_default();
+    status.message = Some(format!("{} canary out, waiting until {until}", watch.canaries.len()));
+    status.canary = watch.canaries.clone();
+    progress.send_replace(status.clone());
+    while !watch.look(conn, spec, &state.replay_id, &mut redis).await? {
+        status.canary = watch.canaries.clone();
+        progress.send_replace(status.clone());
+        tokio::time::sleep(opts.look).await;
+    }
+    status.canary = watch.canaries.clone();
+    let json = serde_json::to_string(&status.canary).map_err(|e| Error::Redis(e.to_string()))?;
+    store.save_canary(&json).await?;
+    let held = watch.held_back();
+    if held.len() == watch.canaries.len() {
+        let why: Vec<String> = watch
+            .canaries
+            .iter()
+            .map(|c| format!("{}: {}", c.signature, c.reason.clone().unwrap_or_default()))
+            .collect();
+        status.phase = Some(Phase::CanaryFailed);
+        status.message = Some(format!("every canary came back ({}); the rest stays in the queue", why.join("; ")));
+        return Ok(CanaryEnd::Stop);
+    }
+    Ok(CanaryEnd::Drain(held))
+}
+
+fn held_of(canaries: &[crate::api::CanaryStatus]) -> std::collections::HashSet<String> {
+    use crate::api::CanaryResult::{DiedAgain, Unconfirmed};
+    canaries.iter().filter(|c| matches!(c.result, DiedAgain | Unconfirmed)).map(|c| c.signature.clone()).collect()
 }
 
 async fn declare_quarantine(conn: &Connection, queue: &str) -> Result<(), Error> {
@@ -260,6 +379,8 @@ struct Drain<'a> {
     seen: u64,
     selected: u64,
     batch: usize,
+    /// Signatures whose canary did not pass: their messages stay in the queue.
+    held_back: std::collections::HashSet<String>,
 }
 
 impl<'a> Drain<'a> {
@@ -288,6 +409,7 @@ impl<'a> Drain<'a> {
             bound,
             seen: 0,
             batch,
+            held_back: Default::default(),
         }
     }
 
@@ -338,6 +460,11 @@ impl<'a> Drain<'a> {
             }
             self.report(progress);
         }
+    }
+
+    fn is_held_back(&self, props: &lapin::BasicProperties) -> bool {
+        !self.held_back.is_empty()
+            && self.held_back.contains(&classify::signature(&self.replay.spec.canary.signature_header, props))
     }
 
     fn limit_reached(&self) -> bool {
@@ -402,6 +529,10 @@ impl<'a> Drain<'a> {
                     None,
                 ),
                 Verdict::Poison(r) => (Act::Quarantine(r), None),
+                Verdict::Replay { .. } if self.is_held_back(props) => (
+                    Act::Skip { reason: "held back: the canary of its signature did not pass".into(), returned: false },
+                    None,
+                ),
                 Verdict::Replay { key, destination } => (Act::Replay(destination), key),
             };
             if !matches!(act, Act::Skip { .. }) {

@@ -32,6 +32,8 @@ pub struct State {
     pub records: u64,
     /// The final status (JSON) once the replay reached a final phase.
     pub final_status: Option<String>,
+    /// The canary results (JSON) once the canary phase decided.
+    pub canary: Option<String>,
 }
 
 /// One row of the audit trail.
@@ -310,6 +312,17 @@ impl Store {
         Ok(len)
     }
 
+    /// A handle on the same Redis.
+    pub fn redis(&self) -> ConnectionManager {
+        self.con.clone()
+    }
+
+    /// Record the canary results, so a resumed replay does not send canaries again.
+    pub async fn save_canary(&mut self, json: &str) -> Result<(), Error> {
+        redis::cmd("HSET").arg(&self.keys.state).arg("canary").arg(json).query_async::<()>(&mut self.con).await?;
+        Ok(())
+    }
+
     /// Record the final status; a later run of the same replay reports it and replays nothing.
     pub async fn finish(&mut self, status_json: &str) -> Result<(), Error> {
         redis::cmd("HSET")
@@ -397,5 +410,6 @@ fn parse_state(map: &HashMap<String, String>) -> State {
         },
         records: 0,
         final_status: map.get("final").cloned(),
+        canary: map.get("canary").cloned(),
     }
 }
