@@ -32,7 +32,11 @@ pub async fn run(args: DemoArgs) -> Result<ExitCode, Error> {
     let ch = conn.create_channel().await?;
     topo.declare(&ch).await?;
     let mut redis = store::connect(&replay.redis_url).await?;
-    forget(&mut redis, &format!("dlq:*:{}/{}*", replay.namespace, replay.name)).await?;
+    forget(
+        &mut redis,
+        &format!("dlq:*:{}/{}*", replay.namespace, replay.name),
+    )
+    .await?;
 
     let idem = replay
         .spec
@@ -93,7 +97,15 @@ pub async fn run(args: DemoArgs) -> Result<ExitCode, Error> {
         redis.clone(),
         idem.done_value.clone(),
     ));
-    let status = cli::run_with_progress(&replay, &Options { pending_timeout: Some(Duration::from_secs(60)), ..Options::default() }, true).await?;
+    let status = cli::run_with_progress(
+        &replay,
+        &Options {
+            pending_timeout: Some(Duration::from_secs(60)),
+            ..Options::default()
+        },
+        true,
+    )
+    .await?;
     tokio::time::sleep(Duration::from_millis(300)).await;
     worker.abort();
     resource.status = Some(status.clone());

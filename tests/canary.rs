@@ -17,9 +17,26 @@ use tokio_util::sync::CancellationToken;
 /// A worker on the work queue: fails (rejects into the DLQ) the exception types in `fail`,
 /// processes the rest, and marks their key done when `mark_done`.
 async fn worker(w: &World, fail: &[&str], mark_done: bool) -> tokio::task::JoinHandle<()> {
+    worker_timed(w, fail, mark_done, Default::default(), Duration::ZERO).await
+}
+
+type Rejections = std::sync::Arc<std::sync::Mutex<Vec<Instant>>>;
+
+async fn worker_timed(
+    w: &World,
+    fail: &[&str],
+    mark_done: bool,
+    rejected: Rejections,
+    think: Duration,
+) -> tokio::task::JoinHandle<()> {
     let ch = w.conn.create_channel().await.unwrap();
     let mut consumer = ch
-        .basic_consume(w.topo.work.as_str().into(), "test-worker".into(), BasicConsumeOptions::default(), FieldTable::default())
+        .basic_consume(
+            w.topo.work.as_str().into(),
+            "test-worker".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
         .await
         .unwrap();
     let fail: HashSet<String> = fail.iter().map(|s| s.to_string()).collect();
@@ -27,13 +44,24 @@ async fn worker(w: &World, fail: &[&str], mark_done: bool) -> tokio::task::JoinH
     tokio::spawn(async move {
         while let Some(Ok(d)) = consumer.next().await {
             let kind = message::header_text(&d.properties, "x-exception-type").unwrap_or_default();
+            tokio::time::sleep(think).await;
             if fail.contains(&kind) {
-                d.reject(BasicRejectOptions { requeue: false }).await.unwrap();
+                d.reject(BasicRejectOptions { requeue: false })
+                    .await
+                    .unwrap();
+                rejected.lock().unwrap().push(Instant::now());
                 continue;
             }
             if mark_done {
                 if let Some(k) = message::header_text(&d.properties, message::IDEMPOTENCY_KEY) {
-                    let _: () = redis::cmd("SET").arg(k).arg("done").arg("EX").arg(600).query_async(&mut redis).await.unwrap();
+                    let _: () = redis::cmd("SET")
+                        .arg(k)
+                        .arg("done")
+                        .arg("EX")
+                        .arg(600)
+                        .query_async(&mut redis)
+                        .await
+                        .unwrap();
                 }
             }
             d.ack(BasicAckOptions::default()).await.unwrap();
@@ -44,29 +72,45 @@ async fn worker(w: &World, fail: &[&str], mark_done: bool) -> tokio::task::JoinH
 fn typed(id: &str, kind: &str) -> (lapin::BasicProperties, Vec<u8>) {
     let (p, b) = job(id, json!({}));
     let mut h = p.headers().clone().unwrap();
-    h.insert("x-exception-type".into(), AMQPValue::LongString(kind.into()));
+    h.insert(
+        "x-exception-type".into(),
+        AMQPValue::LongString(kind.into()),
+    );
     (p.with_headers(h), b)
 }
 
 fn canary_spec(w: &World, extra: &str) -> String {
-    format!("{}  canary: {{enabled: true, waitSeconds: 5{extra}}}\n", w.idempotency("Check"))
+    format!(
+        "{}  canary: {{enabled: true, waitSeconds: 5{extra}}}\n",
+        w.idempotency("Check")
+    )
 }
 
 async fn run_with(w: &World, spec: &str, opts: Options) -> DlqReplayStatus {
     let resource = w.manifest(spec);
     let (tx, _rx) = tokio::sync::watch::channel(DlqReplayStatus::default());
-    engine::run(&w.replay(&resource), &opts, &tx, &CancellationToken::new()).await.unwrap()
+    engine::run(&w.replay(&resource), &opts, &tx, &CancellationToken::new())
+        .await
+        .unwrap()
 }
 
 #[tokio::test]
 async fn a_fixed_consumer_passes_the_canary_and_the_rest_drains() {
     let w = World::new("canary-pass").await;
-    w.dead_letter((0..10).map(|i| typed(&format!("a{i}"), "TimeoutError")).collect()).await;
+    w.dead_letter(
+        (0..10)
+            .map(|i| typed(&format!("a{i}"), "TimeoutError"))
+            .collect(),
+    )
+    .await;
     let _worker = worker(&w, &[], false).await;
     let t = Instant::now();
     let status = run_with(&w, &canary_spec(&w, ""), Options::default()).await;
     assert_eq!(status.phase, Some(Phase::Done), "{status:?}");
-    assert!(t.elapsed() >= Duration::from_secs(5), "the canary wait was cut short");
+    assert!(
+        t.elapsed() >= Duration::from_secs(5),
+        "the canary wait was cut short"
+    );
     assert_eq!(status.canary.len(), 1);
     assert_eq!(status.canary[0].result, CanaryResult::Passed);
     assert_eq!(status.canary[0].messages, 10);
@@ -80,26 +124,81 @@ async fn a_fixed_consumer_passes_the_canary_and_the_rest_drains() {
 #[tokio::test]
 async fn a_still_broken_consumer_sends_the_canary_back_and_nothing_else_moves() {
     let w = World::new("canary-fail").await;
-    w.dead_letter((0..8).map(|i| typed(&format!("b{i}"), "TimeoutError")).collect()).await;
+    w.dead_letter(
+        (0..8)
+            .map(|i| typed(&format!("b{i}"), "TimeoutError"))
+            .collect(),
+    )
+    .await;
     let before = ids(&w.peek(&w.topo.dlq).await);
-    let _worker = worker(&w, &["TimeoutError"], false).await;
+    let rejections = Rejections::default();
+    // The worker takes a second per job, so the canary dies in the middle of the wait.
+    let _worker = worker_timed(
+        &w,
+        &["TimeoutError"],
+        false,
+        rejections.clone(),
+        Duration::from_millis(1130),
+    )
+    .await;
     let t = Instant::now();
-    let status = run_with(&w, &canary_spec(&w, ""), Options::default()).await;
+    let resource = w.manifest(&canary_spec(&w, ""));
+    let (tx, mut rx) = tokio::sync::watch::channel(DlqReplayStatus::default());
+    let seen_at = tokio::spawn(async move {
+        while rx.changed().await.is_ok() {
+            if rx
+                .borrow()
+                .canary
+                .iter()
+                .any(|c| c.result == CanaryResult::DiedAgain)
+            {
+                return Some(Instant::now());
+            }
+        }
+        None
+    });
+    let status = engine::run(
+        &w.replay(&resource),
+        &Options::default(),
+        &tx,
+        &CancellationToken::new(),
+    )
+    .await
+    .unwrap();
+    drop(tx);
     let detected = t.elapsed();
+    if let (Some(seen), Some(died)) = (
+        seen_at.await.unwrap(),
+        rejections.lock().unwrap().first().copied(),
+    ) {
+        eprintln!(
+            "canary return detected {} ms after its dead-lettering",
+            seen.duration_since(died).as_millis()
+        );
+    }
     assert_eq!(status.phase, Some(Phase::CanaryFailed), "{status:?}");
     let c = &status.canary[0];
     assert_eq!(c.result, CanaryResult::DiedAgain);
     assert!(c.reason.as_deref().unwrap().contains("rejected"), "{c:?}");
-    // Detected as soon as it came back, not at the end of the wait.
+    // Detected when it came back, not at the end of the wait.
     assert!(detected < Duration::from_secs(5), "took {detected:?}");
-    eprintln!("canary return detected {} ms after the replay started", detected.as_millis());
+    assert!(
+        detected >= Duration::from_secs(1),
+        "detected before the worker failed it: {detected:?}"
+    );
     // The DLQ holds everything it held: the untouched rest, plus the returned canary.
     let after = w.peek(&w.topo.dlq).await;
     assert_eq!(after.len(), before.len());
-    let returned: Vec<_> = after.iter().filter(|m| header(m, "x-replay-id").is_some()).collect();
+    let returned: Vec<_> = after
+        .iter()
+        .filter(|m| header(m, "x-replay-id").is_some())
+        .collect();
     assert_eq!(returned.len(), 1);
     assert_eq!(returned[0].id, c.message_id);
-    assert_eq!(ids(&after).into_iter().collect::<HashSet<_>>(), before.into_iter().collect());
+    assert_eq!(
+        ids(&after).into_iter().collect::<HashSet<_>>(),
+        before.into_iter().collect()
+    );
     // A failed canary is final: running it again replays nothing.
     let again = run_with(&w, &canary_spec(&w, ""), Options::default()).await;
     assert_eq!(again.phase, Some(Phase::CanaryFailed));
@@ -110,21 +209,35 @@ async fn a_still_broken_consumer_sends_the_canary_back_and_nothing_else_moves() 
 #[tokio::test]
 async fn two_signatures_one_fixed_one_not_drain_only_the_fixed_one() {
     let w = World::new("canary-split").await;
-    let mut jobs: Vec<_> = (0..6).map(|i| typed(&format!("t{i}"), "TimeoutError")).collect();
+    let mut jobs: Vec<_> = (0..6)
+        .map(|i| typed(&format!("t{i}"), "TimeoutError"))
+        .collect();
     jobs.extend((0..4).map(|i| typed(&format!("k{i}"), "KeyError")));
     w.dead_letter(jobs).await;
     let _worker = worker(&w, &["KeyError"], false).await;
     let status = run_with(&w, &canary_spec(&w, ""), Options::default()).await;
     assert_eq!(status.phase, Some(Phase::Done), "{status:?}");
-    let by_sig: std::collections::BTreeMap<_, _> =
-        status.canary.iter().map(|c| (c.signature.clone(), c.result)).collect();
-    assert_eq!(by_sig["x-exception-type=TimeoutError"], CanaryResult::Passed);
+    let by_sig: std::collections::BTreeMap<_, _> = status
+        .canary
+        .iter()
+        .map(|c| (c.signature.clone(), c.result))
+        .collect();
+    assert_eq!(
+        by_sig["x-exception-type=TimeoutError"],
+        CanaryResult::Passed
+    );
     assert_eq!(by_sig["x-exception-type=KeyError"], CanaryResult::DiedAgain);
-    assert_eq!(status.counts.replayed, 6 + 1, "6 TimeoutError + the KeyError canary");
+    assert_eq!(
+        status.counts.replayed,
+        6 + 1,
+        "6 TimeoutError + the KeyError canary"
+    );
     // The 3 held-back KeyError jobs and the returned canary stay in the DLQ.
     let left = w.peek(&w.topo.dlq).await;
     assert_eq!(left.len(), 4);
-    assert!(left.iter().all(|m| header(m, "x-exception-type").as_deref() == Some("KeyError")));
+    assert!(left
+        .iter()
+        .all(|m| header(m, "x-exception-type").as_deref() == Some("KeyError")));
     assert_eq!(status.counts.returned, 1);
     w.cleanup().await;
 }
@@ -132,12 +245,24 @@ async fn two_signatures_one_fixed_one_not_drain_only_the_fixed_one() {
 #[tokio::test]
 async fn no_consumer_keeps_the_replay_pending_and_touches_nothing() {
     let w = World::new("canary-pending").await;
-    w.dead_letter((0..5).map(|i| typed(&format!("p{i}"), "TimeoutError")).collect()).await;
+    w.dead_letter(
+        (0..5)
+            .map(|i| typed(&format!("p{i}"), "TimeoutError"))
+            .collect(),
+    )
+    .await;
     let before = w.peek(&w.topo.dlq).await;
-    let opts = Options { pending_timeout: Some(Duration::from_secs(1)), recheck: Duration::from_millis(300), ..Options::default() };
+    let opts = Options {
+        pending_timeout: Some(Duration::from_secs(1)),
+        recheck: Duration::from_millis(300),
+        ..Options::default()
+    };
     let status = run_with(&w, &canary_spec(&w, ""), opts).await;
     assert_eq!(status.phase, Some(Phase::Pending), "{status:?}");
-    assert!(status.message.as_deref().unwrap().contains("NoConsumer"), "{status:?}");
+    assert!(
+        status.message.as_deref().unwrap().contains("NoConsumer"),
+        "{status:?}"
+    );
     assert_eq!(w.peek(&w.topo.dlq).await, before);
     assert_eq!(w.depth(&w.topo.work).await, 0);
     assert_eq!(status.counts.scanned, 0);
@@ -147,10 +272,20 @@ async fn no_consumer_keeps_the_replay_pending_and_touches_nothing() {
 #[tokio::test]
 async fn require_done_does_not_pass_a_consumer_that_silently_drops() {
     let w = World::new("canary-done").await;
-    w.dead_letter((0..4).map(|i| typed(&format!("d{i}"), "TimeoutError")).collect()).await;
+    w.dead_letter(
+        (0..4)
+            .map(|i| typed(&format!("d{i}"), "TimeoutError"))
+            .collect(),
+    )
+    .await;
     // Acks without doing the work (never marks the key done).
     let _worker = worker(&w, &[], false).await;
-    let status = run_with(&w, &canary_spec(&w, ", requireDone: true"), Options::default()).await;
+    let status = run_with(
+        &w,
+        &canary_spec(&w, ", requireDone: true"),
+        Options::default(),
+    )
+    .await;
     assert_eq!(status.phase, Some(Phase::CanaryFailed), "{status:?}");
     assert_eq!(status.canary[0].result, CanaryResult::Unconfirmed);
     assert_eq!(w.depth(&w.topo.dlq).await, 3);
@@ -160,10 +295,20 @@ async fn require_done_does_not_pass_a_consumer_that_silently_drops() {
 #[tokio::test]
 async fn a_worker_that_marks_done_confirms_the_canary_before_the_wait_ends() {
     let w = World::new("canary-confirm").await;
-    w.dead_letter((0..4).map(|i| typed(&format!("e{i}"), "TimeoutError")).collect()).await;
+    w.dead_letter(
+        (0..4)
+            .map(|i| typed(&format!("e{i}"), "TimeoutError"))
+            .collect(),
+    )
+    .await;
     let _worker = worker(&w, &[], true).await;
     let t = Instant::now();
-    let status = run_with(&w, &canary_spec(&w, ", requireDone: true"), Options::default()).await;
+    let status = run_with(
+        &w,
+        &canary_spec(&w, ", requireDone: true"),
+        Options::default(),
+    )
+    .await;
     assert_eq!(status.phase, Some(Phase::Done), "{status:?}");
     assert_eq!(status.canary[0].result, CanaryResult::Confirmed);
     assert!(t.elapsed() < Duration::from_secs(5));
@@ -174,17 +319,26 @@ async fn a_worker_that_marks_done_confirms_the_canary_before_the_wait_ends() {
 #[tokio::test]
 async fn too_much_poison_stops_before_draining() {
     let w = World::new("canary-poison").await;
-    let mut jobs: Vec<_> = (0..3).map(|i| typed(&format!("g{i}"), "TimeoutError")).collect();
+    let mut jobs: Vec<_> = (0..3)
+        .map(|i| typed(&format!("g{i}"), "TimeoutError"))
+        .collect();
     for i in 0..3 {
         let (p, _) = typed(&format!("x{i}"), "TimeoutError");
         jobs.push((p, b"garbage".to_vec()));
     }
     w.dead_letter(jobs).await;
     let _worker = worker(&w, &[], false).await;
-    let spec = format!("  poison: {{requiredFields: [/id], maxQuarantineRatio: 0.2}}\n{}", canary_spec(&w, ""));
+    let spec = format!(
+        "  poison: {{requiredFields: [/id], maxQuarantineRatio: 0.2}}\n{}",
+        canary_spec(&w, "")
+    );
     let status = run_with(&w, &spec, Options::default()).await;
     assert_eq!(status.phase, Some(Phase::Failed), "{status:?}");
-    assert!(status.message.as_deref().unwrap().contains("maxQuarantineRatio"));
+    assert!(status
+        .message
+        .as_deref()
+        .unwrap()
+        .contains("maxQuarantineRatio"));
     assert_eq!(w.depth(&w.topo.dlq).await, 6);
     w.cleanup().await;
 }

@@ -17,10 +17,10 @@ use redis::aio::ConnectionManager;
 use crate::api::{CanaryResult, CanaryStatus, Counts, DlqReplaySpec, IdempotencyMode};
 use crate::engine::classify::{self, Destination, Rules, Verdict};
 use crate::engine::message::{self, REPLAY_ID};
+use crate::engine::now;
 use crate::engine::publish::{self, Publisher};
 use crate::engine::source;
 use crate::engine::store::{AuditRow, Store};
-use crate::engine::now;
 use crate::Error;
 
 /// One signature's canary candidate, chosen from the queue.
@@ -70,14 +70,22 @@ pub async fn send(
     redis: &mut ConnectionManager,
 ) -> Result<Selection, Error> {
     let queue = &spec.source.queue;
-    let depth = source::queue_state(conn, queue).await?.ok_or_else(|| Error::SourceMissing(queue.clone()))?.0;
+    let depth = source::queue_state(conn, queue)
+        .await?
+        .ok_or_else(|| Error::SourceMissing(queue.clone()))?
+        .0;
     let ch = conn.create_channel().await?;
     let rules = Rules::of(spec, replay_id);
     let mut by_sig: BTreeMap<String, Candidate> = BTreeMap::new();
     let mut counts: BTreeMap<String, u64> = BTreeMap::new();
     let (mut scanned, mut poison) = (0u64, 0u64);
     for _ in 0..depth {
-        let Some(m) = ch.basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false }).await? else { break };
+        let Some(m) = ch
+            .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false })
+            .await?
+        else {
+            break;
+        };
         let d = m.delivery;
         scanned += 1;
         let (key, destination) = match classify::classify(&rules, &d.properties, &d.data) {
@@ -93,7 +101,16 @@ pub async fn send(
         if by_sig.contains_key(&sig) || is_done(spec, redis, key.as_deref()).await? {
             continue;
         }
-        by_sig.insert(sig.clone(), Candidate { signature: sig, delivery: d, destination, key, messages: 0 });
+        by_sig.insert(
+            sig.clone(),
+            Candidate {
+                signature: sig,
+                delivery: d,
+                destination,
+                key,
+                messages: 0,
+            },
+        );
     }
     if let Some(max) = spec.poison.max_quarantine_ratio {
         if scanned > 0 && poison as f64 / scanned as f64 > max {
@@ -115,7 +132,17 @@ pub async fn send(
     for c in &mut cands {
         c.messages = counts.get(&c.signature).copied().unwrap_or(0);
     }
-    let watch = publish_canaries(&ch, spec, replay_id, claim_value, publisher, store, cands, depth).await?;
+    let watch = publish_canaries(
+        &ch,
+        spec,
+        replay_id,
+        claim_value,
+        publisher,
+        store,
+        cands,
+        depth,
+    )
+    .await?;
     // Everything but the canaries goes back in place.
     ch.close(200, "canaries out".into()).await?;
     let mut watch = watch;
@@ -123,8 +150,14 @@ pub async fn send(
     Ok(Selection::Sent(watch))
 }
 
-async fn is_done(spec: &DlqReplaySpec, redis: &mut ConnectionManager, key: Option<&str>) -> Result<bool, Error> {
-    let (Some(idem), Some(key)) = (&spec.idempotency, key) else { return Ok(false) };
+async fn is_done(
+    spec: &DlqReplaySpec,
+    redis: &mut ConnectionManager,
+    key: Option<&str>,
+) -> Result<bool, Error> {
+    let (Some(idem), Some(key)) = (&spec.idempotency, key) else {
+        return Ok(false);
+    };
     let v: Option<String> = redis::cmd("GET").arg(key).query_async(redis).await?;
     Ok(match idem.mode {
         IdempotencyMode::Check => v.as_deref() == Some(idem.done_value.as_str()),
@@ -153,16 +186,20 @@ async fn preflight<'a>(
     }
     for q in queues {
         match source::queue_state(conn, &q).await? {
-            None => return Ok(Some(format!("TargetQueueMissing: target queue {q:?} does not exist"))),
-            Some((_, 0)) if spec.canary.require_consumer => {
-                return Ok(Some(format!("NoConsumer: no consumer is attached to target queue {q:?}")))
-            }
-            Some((n, _)) if u64::from(n) > spec.canary.max_backlog => {
+            None => {
                 return Ok(Some(format!(
-                    "Backlog: target queue {q:?} holds {n} messages, more than canary.maxBacklog {}",
-                    spec.canary.max_backlog
+                    "TargetQueueMissing: target queue {q:?} does not exist"
                 )))
             }
+            Some((_, 0)) if spec.canary.require_consumer => {
+                return Ok(Some(format!(
+                    "NoConsumer: no consumer is attached to target queue {q:?}"
+                )))
+            }
+            Some((n, _)) if u64::from(n) > spec.canary.max_backlog => return Ok(Some(format!(
+                "Backlog: target queue {q:?} holds {n} messages, more than canary.maxBacklog {}",
+                spec.canary.max_backlog
+            ))),
             Some(_) => {}
         }
     }
@@ -181,11 +218,15 @@ async fn publish_canaries(
     _depth: u32,
 ) -> Result<Watch, Error> {
     publisher.ensure_open().await?;
-    let claiming = spec.idempotency.as_ref().filter(|i| i.mode == IdempotencyMode::Claim);
+    let claiming = spec
+        .idempotency
+        .as_ref()
+        .filter(|i| i.mode == IdempotencyMode::Claim);
     let wait = Duration::from_secs(spec.canary.wait_seconds);
     let sent_at = now();
-    let wait_until = (chrono::Utc::now() + chrono::Duration::seconds(spec.canary.wait_seconds as i64))
-        .to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    let wait_until = (chrono::Utc::now()
+        + chrono::Duration::seconds(spec.canary.wait_seconds as i64))
+    .to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
     let mut watch = Watch {
         canaries: Vec::new(),
         keys: Vec::new(),
@@ -201,8 +242,15 @@ async fn publish_canaries(
         let identity = message::identity(props, &c.delivery.data);
         if let (Some(idem), Some(k)) = (claiming, &c.key) {
             let fields = [(message::fingerprint(props, &c.delivery.data), None::<&str>)];
-            let f: Vec<(&str, Option<&str>)> = fields.iter().map(|(a, b)| (a.as_str(), *b)).collect();
-            let l = store.lookup(&f, &[Some(k.as_str())], Some((claim_value, idem.ttl_seconds))).await?;
+            let f: Vec<(&str, Option<&str>)> =
+                fields.iter().map(|(a, b)| (a.as_str(), *b)).collect();
+            let l = store
+                .lookup(
+                    &f,
+                    &[Some(k.as_str())],
+                    Some((claim_value, idem.ttl_seconds)),
+                )
+                .await?;
             if !l.first().is_some_and(|l| l.claimed) {
                 continue;
             }
@@ -232,7 +280,10 @@ async fn publish_canaries(
             watch.delta.failed += 1;
         } else {
             watch.delta.replayed += 1;
-            settled.push((message::fingerprint(props, &c.delivery.data), "replayed".to_string()));
+            settled.push((
+                message::fingerprint(props, &c.delivery.data),
+                "replayed".to_string(),
+            ));
             if let Some(k) = &c.key {
                 settled.push((format!("key:{k}"), identity.clone()));
             }
@@ -263,8 +314,17 @@ async fn publish_canaries(
 
 /// What each watched queue holds once the canaries left: the source's depth before, minus the
 /// canaries taken from it, so a canary that came back before the first look still counts.
-async fn baselines(conn: &Connection, spec: &DlqReplaySpec, depth: u32, w: &Watch) -> Result<BTreeMap<String, u32>, Error> {
-    let sent = w.canaries.iter().filter(|c| c.result == CanaryResult::Waiting).count() as u32;
+async fn baselines(
+    conn: &Connection,
+    spec: &DlqReplaySpec,
+    depth: u32,
+    w: &Watch,
+) -> Result<BTreeMap<String, u32>, Error> {
+    let sent = w
+        .canaries
+        .iter()
+        .filter(|c| c.result == CanaryResult::Waiting)
+        .count() as u32;
     let mut out = BTreeMap::new();
     out.insert(spec.source.queue.clone(), depth.saturating_sub(sent));
     for q in &spec.canary.watch_queues {
@@ -277,7 +337,9 @@ async fn baselines(conn: &Connection, spec: &DlqReplaySpec, depth: u32, w: &Watc
 impl Watch {
     /// Whether every canary has a result.
     pub fn settled(&self) -> bool {
-        self.canaries.iter().all(|c| c.result != CanaryResult::Waiting)
+        self.canaries
+            .iter()
+            .all(|c| c.result != CanaryResult::Waiting)
     }
 
     /// One look: queues that grew are searched for returned canaries; with Check mode, keys
@@ -289,14 +351,23 @@ impl Watch {
         replay_id: &str,
         redis: &mut ConnectionManager,
     ) -> Result<bool, Error> {
-        let queues: Vec<(String, u32)> = self.baselines.iter().map(|(q, n)| (q.clone(), *n)).collect();
+        let queues: Vec<(String, u32)> = self
+            .baselines
+            .iter()
+            .map(|(q, n)| (q.clone(), *n))
+            .collect();
         for (q, base) in queues {
             let now = source::queue_state(conn, &q).await?.map_or(0, |s| s.0);
             if now > base {
-                self.search(conn, &q, replay_id, &spec.canary.signature_header).await?;
+                self.search(conn, &q, replay_id, &spec.canary.signature_header)
+                    .await?;
             }
         }
-        if let Some(idem) = spec.idempotency.as_ref().filter(|i| i.mode == IdempotencyMode::Check) {
+        if let Some(idem) = spec
+            .idempotency
+            .as_ref()
+            .filter(|i| i.mode == IdempotencyMode::Check)
+        {
             for (i, key) in self.keys.iter().enumerate() {
                 let Some(k) = key else { continue };
                 if self.canaries[i].result != CanaryResult::Waiting {
@@ -314,7 +385,9 @@ impl Watch {
                 if c.result == CanaryResult::Waiting {
                     if spec.canary.require_done {
                         c.result = CanaryResult::Unconfirmed;
-                        c.reason = Some("the worker did not mark the key done within canary.waitSeconds".into());
+                        c.reason = Some(
+                            "the worker did not mark the key done within canary.waitSeconds".into(),
+                        );
                     } else {
                         c.result = CanaryResult::Passed;
                     }
@@ -325,10 +398,19 @@ impl Watch {
     }
 
     /// Look through a queue without taking anything, for canaries carrying a fresh death.
-    async fn search(&mut self, conn: &Connection, queue: &str, replay_id: &str, sig_header: &str) -> Result<(), Error> {
+    async fn search(
+        &mut self,
+        conn: &Connection,
+        queue: &str,
+        replay_id: &str,
+        sig_header: &str,
+    ) -> Result<(), Error> {
         let ch = conn.create_channel().await?;
         let mut n = 0u32;
-        while let Some(m) = ch.basic_get(queue.into(), BasicGetOptions { no_ack: false }).await? {
+        while let Some(m) = ch
+            .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+            .await?
+        {
             n += 1;
             let p = &m.delivery.properties;
             let ours = message::header_text(p, REPLAY_ID).as_deref() == Some(replay_id);
@@ -355,7 +437,12 @@ impl Watch {
     pub fn held_back(&self) -> HashSet<String> {
         self.canaries
             .iter()
-            .filter(|c| matches!(c.result, CanaryResult::DiedAgain | CanaryResult::Unconfirmed))
+            .filter(|c| {
+                matches!(
+                    c.result,
+                    CanaryResult::DiedAgain | CanaryResult::Unconfirmed
+                )
+            })
             .map(|c| c.signature.clone())
             .collect()
     }

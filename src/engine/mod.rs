@@ -142,7 +142,15 @@ pub async fn run(
     let (mut store, state) = (store, state);
     let mut status = initial_status(&state, store.keys().audit.clone());
     let phase = canary_phase(
-        replay, opts, progress, cancel, &src_conn, &state, &mut publisher, &mut store, &mut status,
+        replay,
+        opts,
+        progress,
+        cancel,
+        &src_conn,
+        &state,
+        &mut publisher,
+        &mut store,
+        &mut status,
     )
     .await;
     let held = match phase {
@@ -160,7 +168,9 @@ pub async fn run(
         }
         Err(e) => {
             status.phase = Some(Phase::Failed);
-            status.message = Some(format!("{e}; nothing else was replayed; run it again to resume"));
+            status.message = Some(format!(
+                "{e}; nothing else was replayed; run it again to resume"
+            ));
             progress.send_replace(status.clone());
             return Ok(status);
         }
@@ -177,7 +187,16 @@ pub async fn run(
     let batch = batch_size(&replay.spec, opts.batch);
     let window = (batch * 2).min(u16::MAX as usize) as u16;
     let src = Source::open(&src_conn, &replay.spec.source.queue, window).await?;
-    let mut drain = Drain::new(replay, &state, src, publisher, store, status, depth.into(), batch);
+    let mut drain = Drain::new(
+        replay,
+        &state,
+        src,
+        publisher,
+        store,
+        status,
+        depth.into(),
+        batch,
+    );
     drain.held_back = held;
     let end = drain.run(opts, progress, cancel).await;
     let mut status = drain.finish(end).await;
@@ -217,7 +236,8 @@ async fn canary_phase(
     let spec = &replay.spec;
     if let Some(json) = &state.canary {
         // A resumed replay keeps the decisions its canaries already made.
-        status.canary = serde_json::from_str(json).map_err(|e| Error::Redis(format!("stored canary results: {e}")))?;
+        status.canary = serde_json::from_str(json)
+            .map_err(|e| Error::Redis(format!("stored canary results: {e}")))?;
         return Ok(CanaryEnd::Drain(held_of(&status.canary)));
     }
     if !spec.canary.enabled {
@@ -227,7 +247,16 @@ async fn canary_phase(
     let mut redis = store.redis();
     let started = tokio::time::Instant::now();
     let mut watch = loop {
-        let sel = canary::send(conn, spec, &state.replay_id, &claim_value, publisher, store, &mut redis).await?;
+        let sel = canary::send(
+            conn,
+            spec,
+            &state.replay_id,
+            &claim_value,
+            publisher,
+            store,
+            &mut redis,
+        )
+        .await?;
         match sel {
             canary::Selection::Sent(w) => break w,
             canary::Selection::Nothing => return Ok(CanaryEnd::Drain(Default::default())),
@@ -238,11 +267,16 @@ async fn canary_phase(
             }
             canary::Selection::Pending(why) => {
                 status.phase = Some(Phase::Pending);
-                status.message = Some(format!("{why}; checking again every {}s", opts.recheck.as_secs()));
+                status.message = Some(format!(
+                    "{why}; checking again every {}s",
+                    opts.recheck.as_secs()
+                ));
                 progress.send_replace(status.clone());
                 let timed_out = opts.pending_timeout.is_some_and(|t| started.elapsed() >= t);
                 if timed_out || cancel.is_cancelled() {
-                    status.message = Some(format!("still Pending ({why}); gave up waiting, nothing was touched"));
+                    status.message = Some(format!(
+                        "still Pending ({why}); gave up waiting, nothing was touched"
+                    ));
                     return Ok(CanaryEnd::Stop);
                 }
                 tokio::time::sleep(opts.recheck).await;
@@ -254,8 +288,15 @@ async fn canary_phase(
         a.records = watch.records;
     }
     status.phase = Some(Phase::Canary);
-    let until = watch.canaries.first().and_then(|c| c.wait_until.clone()).unwrap_or_default();
-    status.message = Some(format!("{} canary out, waiting until {until}", watch.canaries.len()));
+    let until = watch
+        .canaries
+        .first()
+        .and_then(|c| c.wait_until.clone())
+        .unwrap_or_default();
+    status.message = Some(format!(
+        "{} canary out, waiting until {until}",
+        watch.canaries.len()
+    ));
     status.canary = watch.canaries.clone();
     progress.send_replace(status.clone());
     while !watch.look(conn, spec, &state.replay_id, &mut redis).await? {
@@ -274,7 +315,10 @@ async fn canary_phase(
             .map(|c| format!("{}: {}", c.signature, c.reason.clone().unwrap_or_default()))
             .collect();
         status.phase = Some(Phase::CanaryFailed);
-        status.message = Some(format!("every canary came back ({}); the rest stays in the queue", why.join("; ")));
+        status.message = Some(format!(
+            "every canary came back ({}); the rest stays in the queue",
+            why.join("; ")
+        ));
         return Ok(CanaryEnd::Stop);
     }
     Ok(CanaryEnd::Drain(held))
@@ -282,7 +326,11 @@ async fn canary_phase(
 
 fn held_of(canaries: &[crate::api::CanaryStatus]) -> std::collections::HashSet<String> {
     use crate::api::CanaryResult::{DiedAgain, Unconfirmed};
-    canaries.iter().filter(|c| matches!(c.result, DiedAgain | Unconfirmed)).map(|c| c.signature.clone()).collect()
+    canaries
+        .iter()
+        .filter(|c| matches!(c.result, DiedAgain | Unconfirmed))
+        .map(|c| c.signature.clone())
+        .collect()
 }
 
 async fn declare_quarantine(conn: &Connection, queue: &str) -> Result<(), Error> {
@@ -464,7 +512,10 @@ impl<'a> Drain<'a> {
 
     fn is_held_back(&self, props: &lapin::BasicProperties) -> bool {
         !self.held_back.is_empty()
-            && self.held_back.contains(&classify::signature(&self.replay.spec.canary.signature_header, props))
+            && self.held_back.contains(&classify::signature(
+                &self.replay.spec.canary.signature_header,
+                props,
+            ))
     }
 
     fn limit_reached(&self) -> bool {
@@ -530,7 +581,10 @@ impl<'a> Drain<'a> {
                 ),
                 Verdict::Poison(r) => (Act::Quarantine(r), None),
                 Verdict::Replay { .. } if self.is_held_back(props) => (
-                    Act::Skip { reason: "held back: the canary of its signature did not pass".into(), returned: false },
+                    Act::Skip {
+                        reason: "held back: the canary of its signature did not pass".into(),
+                        returned: false,
+                    },
                     None,
                 ),
                 Verdict::Replay { key, destination } => (Act::Replay(destination), key),

@@ -319,7 +319,12 @@ impl Store {
 
     /// Record the canary results, so a resumed replay does not send canaries again.
     pub async fn save_canary(&mut self, json: &str) -> Result<(), Error> {
-        redis::cmd("HSET").arg(&self.keys.state).arg("canary").arg(json).query_async::<()>(&mut self.con).await?;
+        redis::cmd("HSET")
+            .arg(&self.keys.state)
+            .arg("canary")
+            .arg(json)
+            .query_async::<()>(&mut self.con)
+            .await?;
         Ok(())
     }
 
