@@ -36,6 +36,25 @@ pub enum Command {
     Demo(DemoArgs),
     /// Print the CustomResourceDefinition.
     Crd,
+    /// Run the Kubernetes operator (in-cluster, or from the kubeconfig).
+    Operator(OperatorArgs),
+}
+
+/// `operator` arguments.
+#[derive(Args, Debug)]
+pub struct OperatorArgs {
+    /// Watch only this namespace (default: all).
+    #[arg(long, env = "WATCH_NAMESPACE")]
+    pub namespace: Option<String>,
+    /// The most replays this operator drives at once.
+    #[arg(long, default_value_t = 4)]
+    pub max_concurrent_replays: usize,
+    /// Seconds between two status writes of a draining replay.
+    #[arg(long, default_value_t = 2)]
+    pub status_interval: u64,
+    /// This instance's name, for events (the pod name).
+    #[arg(long, env = "POD_NAME", default_value = "dlq-replay")]
+    pub instance: String,
 }
 
 /// Where the broker and Redis are, when no cluster resolves the Secret references.
@@ -139,6 +158,7 @@ pub async fn main(cli: Cli) -> ExitCode {
         Command::Audit(a) => audit(a).await,
         Command::Demo(a) => crate::demo::run(a).await,
         Command::Crd => crd(),
+        Command::Operator(a) => operator(a).await,
     };
     match result {
         Ok(code) => code,
@@ -147,6 +167,21 @@ pub async fn main(cli: Cli) -> ExitCode {
             ExitCode::from(2)
         }
     }
+}
+
+async fn operator(args: OperatorArgs) -> Result<ExitCode, Error> {
+    let client = kube::Client::try_default()
+        .await
+        .map_err(|e| Error::Config(format!("no Kubernetes client (in-cluster or kubeconfig): {e}")))?;
+    let settings = crate::controller::Settings {
+        namespace: args.namespace,
+        max_concurrent: args.max_concurrent_replays.max(1),
+        status_interval: Duration::from_secs(args.status_interval.max(1)),
+        instance: args.instance,
+        ..Default::default()
+    };
+    crate::controller::run(client, settings).await;
+    Ok(ExitCode::SUCCESS)
 }
 
 fn crd() -> Result<ExitCode, Error> {

@@ -7,6 +7,7 @@
 
 pub mod api;
 pub mod cli;
+pub mod controller;
 pub mod demo;
 pub mod engine;
 pub mod fixture;

@@ -1,0 +1,335 @@
+//! The operator: a kube-runtime `Controller` that drives each `DlqReplay` through its phases by
+//! running the shared engine as one task per active replay.
+//!
+//! Reconcile is dereference → decide → run/resume → write status. It is idempotent: a replay has
+//! at most one task (keyed by namespace/name), a finished replay is never started again, and an
+//! operator restart resumes an unfinished one from its status and the engine's Redis state.
+
+pub mod status;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::finalizer::{finalizer, Event as Finalizer};
+use kube::runtime::watcher;
+use kube::{Client, Resource, ResourceExt};
+use serde_json::json;
+use tokio::sync::{watch, Mutex};
+use tokio_util::sync::CancellationToken;
+
+use crate::api::{ConnectionSpec, DlqReplay, DlqReplayStatus, Phase};
+use crate::engine::{self, Replay};
+
+/// The finalizer that lets a deleted replay settle its in-flight messages first.
+pub const FINALIZER: &str = "replay.dlq.dev/finalizer";
+
+/// Reconcile errors.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The API server refused or failed.
+    #[error("kube: {0}")]
+    Kube(#[from] kube::Error),
+    /// The finalizer helper failed.
+    #[error("finalizer: {0}")]
+    Finalizer(String),
+}
+
+/// How the operator runs.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Watch only this namespace (all when `None`).
+    pub namespace: Option<String>,
+    /// The most replays this operator drives at once.
+    pub max_concurrent: usize,
+    /// The least time between two status writes of a draining replay.
+    pub status_interval: Duration,
+    /// Engine knobs.
+    pub engine: engine::Options,
+    /// This instance's name (pod name), for events.
+    pub instance: String,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            namespace: None,
+            max_concurrent: 4,
+            status_interval: Duration::from_secs(2),
+            engine: engine::Options::default(),
+            instance: "dlq-replay".into(),
+        }
+    }
+}
+
+struct Task {
+    source: String,
+    cancel: CancellationToken,
+    handle: tokio::task::JoinHandle<()>,
+}
+
+/// What reconcile needs.
+pub struct Context {
+    client: Client,
+    recorder: Recorder,
+    settings: Settings,
+    tasks: Mutex<HashMap<String, Task>>,
+}
+
+impl Context {
+    /// A context for a client.
+    pub fn new(client: Client, settings: Settings) -> Arc<Self> {
+        let reporter = Reporter { controller: "dlq-replay".into(), instance: Some(settings.instance.clone()) };
+        Arc::new(Self { recorder: Recorder::new(client.clone(), reporter), client, settings, tasks: Mutex::default() })
+    }
+
+    /// Stop every task (their in-flight messages settle first) — for a clean shutdown.
+    pub async fn stop_all(&self) {
+        let tasks: Vec<Task> = self.tasks.lock().await.drain().map(|(_, t)| t).collect();
+        for t in tasks {
+            t.cancel.cancel();
+            let _ = t.handle.await;
+        }
+    }
+
+    /// How many replays run now.
+    pub async fn running(&self) -> usize {
+        self.tasks.lock().await.len()
+    }
+}
+
+/// Run the controller until the stream ends (or the process is signalled).
+pub async fn run(client: Client, settings: Settings) {
+    let api: Api<DlqReplay> = match &settings.namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
+    let ctx = Context::new(client, settings);
+    Controller::new(api, watcher::Config::default())
+        .shutdown_on_signal()
+        .run(reconcile, error_policy, ctx.clone())
+        .for_each(|res| async move {
+            if let Err(e) = res {
+                tracing::debug!(error = %e, "reconcile");
+            }
+        })
+        .await;
+    ctx.stop_all().await;
+}
+
+fn key_of(obj: &DlqReplay) -> String {
+    format!("{}/{}", obj.namespace().unwrap_or_default(), obj.name_any())
+}
+
+/// Reconcile one replay.
+pub async fn reconcile(obj: Arc<DlqReplay>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let ns = obj.namespace().unwrap_or_else(|| "default".into());
+    let api: Api<DlqReplay> = Api::namespaced(ctx.client.clone(), &ns);
+    finalizer(&api, FINALIZER, obj, |event| async {
+        match event {
+            Finalizer::Apply(o) => apply(o, ctx.clone()).await,
+            Finalizer::Cleanup(o) => cleanup(o, ctx.clone()).await,
+        }
+    })
+    .await
+    .map_err(|e| Error::Finalizer(e.to_string()))
+}
+
+/// Back off and try again.
+pub fn error_policy(_obj: Arc<DlqReplay>, error: &Error, _ctx: Arc<Context>) -> Action {
+    tracing::warn!(%error, "reconcile failed");
+    Action::requeue(Duration::from_secs(5))
+}
+
+async fn apply(obj: Arc<DlqReplay>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let key = key_of(&obj);
+    let phase = obj.status.as_ref().and_then(|s| s.phase);
+    let running = ctx.tasks.lock().await.contains_key(&key);
+    if running {
+        if obj.spec.suspend {
+            if let Some(t) = ctx.tasks.lock().await.get(&key) {
+                t.cancel.cancel();
+            }
+            return Ok(Action::requeue(Duration::from_secs(1)));
+        }
+        return Ok(Action::requeue(Duration::from_secs(30)));
+    }
+    if phase.is_some_and(Phase::is_terminal) {
+        return Ok(Action::await_change());
+    }
+    if obj.spec.suspend {
+        let msg = "suspended by spec.suspend; set it to false to resume";
+        set_pending(&ctx, &obj, Phase::Suspended, msg).await?;
+        return Ok(Action::await_change());
+    }
+    let replay = match resolve(&ctx.client, &obj).await {
+        Ok(r) => r,
+        Err(why) => {
+            set_pending(&ctx, &obj, Phase::Pending, &why).await?;
+            return Ok(Action::requeue(Duration::from_secs(5)));
+        }
+    };
+    let source = format!("{}|{}", crate::redact::url(&replay.amqp_url), replay.spec.source.queue);
+    let mut tasks = ctx.tasks.lock().await;
+    if let Some((other, _)) = tasks.iter().find(|(_, t)| t.source == source) {
+        let why = format!("SourceBusy: replay {other} is replaying queue {}", replay.spec.source.queue);
+        drop(tasks);
+        set_pending(&ctx, &obj, Phase::Pending, &why).await?;
+        return Ok(Action::requeue(Duration::from_secs(5)));
+    }
+    if tasks.len() >= ctx.settings.max_concurrent {
+        let why = format!("OperatorBusy: {} replays running (--max-concurrent-replays)", tasks.len());
+        drop(tasks);
+        set_pending(&ctx, &obj, Phase::Pending, &why).await?;
+        return Ok(Action::requeue(Duration::from_secs(5)));
+    }
+    let cancel = CancellationToken::new();
+    let handle = tokio::spawn(drive(ctx.clone(), obj.clone(), replay, cancel.clone()));
+    tasks.insert(key, Task { source, cancel, handle });
+    Ok(Action::requeue(Duration::from_secs(30)))
+}
+
+async fn cleanup(obj: Arc<DlqReplay>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let task = ctx.tasks.lock().await.remove(&key_of(&obj));
+    if let Some(t) = task {
+        // The engine settles what is in flight, then stops; the rest stays in the DLQ.
+        t.cancel.cancel();
+        let _ = t.handle.await;
+    }
+    Ok(Action::await_change())
+}
+
+/// Write a waiting phase (Pending/Suspended) with its reason, only when it changed (a write
+/// triggers another reconcile).
+async fn set_pending(ctx: &Context, obj: &DlqReplay, phase: Phase, message: &str) -> Result<(), Error> {
+    let mut status = obj.status.clone().unwrap_or_default();
+    if status.phase == Some(phase) && status.message.as_deref() == Some(message) {
+        return Ok(());
+    }
+    status.phase = Some(phase);
+    status.message = Some(message.to_string());
+    write_status(ctx, obj, &status).await
+}
+
+async fn write_status(ctx: &Context, obj: &DlqReplay, next: &DlqReplayStatus) -> Result<(), Error> {
+    let ns = obj.namespace().unwrap_or_else(|| "default".into());
+    let api: Api<DlqReplay> = Api::namespaced(ctx.client.clone(), &ns);
+    let previous = obj.status.as_ref().map(|s| s.conditions.clone()).unwrap_or_default();
+    let mut status = next.clone();
+    status.observed_generation = obj.meta().generation;
+    status.conditions = status::conditions(&status, &previous, &engine::now());
+    let old_phase = obj.status.as_ref().and_then(|s| s.phase);
+    api.patch_status(&obj.name_any(), &PatchParams::default(), &Patch::Merge(json!({ "status": status })))
+        .await?;
+    if old_phase != status.phase {
+        publish_event(ctx, obj, &status).await;
+    }
+    Ok(())
+}
+
+async fn publish_event(ctx: &Context, obj: &DlqReplay, status: &DlqReplayStatus) {
+    let phase = status.phase.unwrap_or(Phase::Pending);
+    let warning = matches!(phase, Phase::Failed | Phase::CanaryFailed);
+    let ev = Event {
+        type_: if warning { EventType::Warning } else { EventType::Normal },
+        reason: phase.to_string(),
+        note: status.message.clone(),
+        action: "Replay".into(),
+        secondary: None,
+    };
+    if let Err(e) = ctx.recorder.publish(&ev, &obj.object_ref(&())).await {
+        tracing::warn!(error = %e, "publishing an event");
+    }
+}
+
+/// Run the engine for one replay, writing its status as it goes.
+async fn drive(ctx: Arc<Context>, obj: Arc<DlqReplay>, replay: Replay, cancel: CancellationToken) {
+    let key = key_of(&obj);
+    let (tx, mut rx) = watch::channel(obj.status.clone().unwrap_or_default());
+    let writer_ctx = ctx.clone();
+    let writer_obj = obj.clone();
+    let interval = ctx.settings.status_interval;
+    let writer = tokio::spawn(async move {
+        let mut current = (*writer_obj).clone();
+        let mut last_at = Instant::now();
+        let mut last: Option<DlqReplayStatus> = None;
+        loop {
+            let changed = tokio::time::timeout(interval, rx.changed()).await;
+            if matches!(changed, Ok(Err(_))) {
+                break;
+            }
+            let next = rx.borrow_and_update().clone();
+            let elapsed = last_at.elapsed().as_millis();
+            if status::should_write(last.as_ref(), &next, elapsed, interval.as_millis()) {
+                if let Err(e) = write_status(&writer_ctx, &current, &next).await {
+                    tracing::warn!(error = %e, replay = %key_of(&current), "writing status");
+                }
+                current.status = Some(next.clone());
+                last = Some(next);
+                last_at = Instant::now();
+            }
+        }
+        current
+    });
+    let result = engine::run(&replay, &ctx.settings.engine, &tx, &cancel).await;
+    drop(tx);
+    let current = writer.await.unwrap_or_else(|_| (*obj).clone());
+    let final_status = match result {
+        Ok(s) => s,
+        Err(e) => DlqReplayStatus {
+            phase: Some(Phase::Pending),
+            message: Some(format!("Unavailable: {e}; retrying")),
+            ..current.status.clone().unwrap_or_default()
+        },
+    };
+    if current.status.as_ref() != Some(&final_status) {
+        if let Err(e) = write_status(&ctx, &current, &final_status).await {
+            tracing::warn!(error = %e, replay = %key, "writing the final status");
+        }
+    }
+    ctx.tasks.lock().await.remove(&key);
+    tracing::info!(replay = %key, phase = ?final_status.phase, "replay task ended");
+}
+
+/// Resolve the Secret references of a replay into URLs; the error says which is missing.
+pub async fn resolve(client: &Client, obj: &DlqReplay) -> Result<Replay, String> {
+    let ns = obj.namespace().unwrap_or_else(|| "default".into());
+    let spec = &obj.spec;
+    let amqp_url = url_of(client, &ns, &spec.broker, "spec.broker").await?;
+    let redis = spec
+        .idempotency
+        .as_ref()
+        .and_then(|i| i.redis.as_ref().map(|r| (r, "spec.idempotency.redis")))
+        .or_else(|| spec.audit.as_ref().map(|a| (&a.redis, "spec.audit.redis")))
+        .ok_or_else(|| "NoRedis: set spec.idempotency.redis or spec.audit.redis".to_string())?;
+    let redis_url = url_of(client, &ns, redis.0, redis.1).await?;
+    Ok(Replay { namespace: ns, name: obj.name_any(), spec: spec.clone(), amqp_url, redis_url })
+}
+
+async fn url_of(client: &Client, ns: &str, c: &ConnectionSpec, path: &str) -> Result<String, String> {
+    if let Some(u) = &c.url {
+        return Ok(u.clone());
+    }
+    let Some(r) = &c.url_secret_ref else {
+        return Err(format!("NoUrl: {path} has neither url nor urlSecretRef"));
+    };
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
+    let secret = secrets
+        .get_opt(&r.name)
+        .await
+        .map_err(|e| format!("SecretUnreadable: Secret {ns}/{} ({path}.urlSecretRef): {e}", r.name))?
+        .ok_or_else(|| format!("SecretMissing: Secret {ns}/{} ({path}.urlSecretRef) does not exist", r.name))?;
+    let value = secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get(&r.key))
+        .map(|b| String::from_utf8_lossy(&b.0).trim().to_string())
+        .or_else(|| secret.string_data.as_ref().and_then(|d| d.get(&r.key).cloned()))
+        .ok_or_else(|| format!("SecretKeyMissing: Secret {ns}/{} has no key {:?} ({path}.urlSecretRef)", r.name, r.key))?;
+    Ok(value)
+}
