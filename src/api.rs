@@ -501,3 +501,42 @@ pub struct Condition {
     /// When the status last changed (RFC 3339).
     pub last_transition_time: String,
 }
+
+/// Spec fields that are fixed once a replay exists (everything but `suspend`): a replay is
+/// reviewed as a whole, and changing what it replays mid-way would make its audit trail lie.
+const IMMUTABLE_REQUIRED: [&str; 3] = ["broker", "source", "quarantine"];
+const IMMUTABLE_OPTIONAL: [&str; 8] =
+    ["target", "selector", "poison", "idempotency", "audit", "rate", "canary", "dryRun"];
+
+/// The CRD: the generated schema plus the CEL rule that makes the spec immutable except
+/// `suspend`.
+pub fn crd() -> k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::ValidationRule;
+    use kube::CustomResourceExt;
+    let mut crd = DlqReplay::crd();
+    let rule = IMMUTABLE_REQUIRED
+        .iter()
+        .map(|f| format!("self.{f} == oldSelf.{f}"))
+        .chain(IMMUTABLE_OPTIONAL.iter().map(|f| {
+            format!("has(self.{f}) == has(oldSelf.{f}) && (!has(self.{f}) || self.{f} == oldSelf.{f})")
+        }))
+        .collect::<Vec<_>>()
+        .join(" && ");
+    for version in &mut crd.spec.versions {
+        let spec = version
+            .schema
+            .as_mut()
+            .and_then(|s| s.open_api_v3_schema.as_mut())
+            .and_then(|s| s.properties.as_mut())
+            .and_then(|p| p.get_mut("spec"));
+        if let Some(spec) = spec {
+            spec.x_kubernetes_validations = Some(vec![ValidationRule {
+                rule: rule.clone(),
+                message: Some("the spec of a DlqReplay is immutable except spec.suspend; create a new replay instead".into()),
+                reason: Some("FieldValueForbidden".into()),
+                ..Default::default()
+            }]);
+        }
+    }
+    crd
+}

@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use kube::CustomResourceExt;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{DlqReplay, DlqReplayStatus, Phase};
@@ -185,7 +184,7 @@ async fn operator(args: OperatorArgs) -> Result<ExitCode, Error> {
 }
 
 fn crd() -> Result<ExitCode, Error> {
-    let yaml = serde_yaml::to_string(&DlqReplay::crd()).map_err(|e| Error::Io(e.to_string()))?;
+    let yaml = serde_yaml::to_string(&crate::api::crd()).map_err(|e| Error::Io(e.to_string()))?;
     print!("{yaml}");
     Ok(ExitCode::SUCCESS)
 }
