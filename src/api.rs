@@ -505,12 +505,21 @@ pub struct Condition {
 /// Spec fields that are fixed once a replay exists (everything but `suspend`): a replay is
 /// reviewed as a whole, and changing what it replays mid-way would make its audit trail lie.
 const IMMUTABLE_REQUIRED: [&str; 3] = ["broker", "source", "quarantine"];
-const IMMUTABLE_OPTIONAL: [&str; 8] =
-    ["target", "selector", "poison", "idempotency", "audit", "rate", "canary", "dryRun"];
+const IMMUTABLE_OPTIONAL: [&str; 8] = [
+    "target",
+    "selector",
+    "poison",
+    "idempotency",
+    "audit",
+    "rate",
+    "canary",
+    "dryRun",
+];
 
 /// The CRD: the generated schema plus the CEL rule that makes the spec immutable except
 /// `suspend`.
-pub fn crd() -> k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition {
+pub fn crd(
+) -> k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition {
     use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::ValidationRule;
     use kube::CustomResourceExt;
     let mut crd = DlqReplay::crd();
@@ -518,7 +527,9 @@ pub fn crd() -> k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::
         .iter()
         .map(|f| format!("self.{f} == oldSelf.{f}"))
         .chain(IMMUTABLE_OPTIONAL.iter().map(|f| {
-            format!("has(self.{f}) == has(oldSelf.{f}) && (!has(self.{f}) || self.{f} == oldSelf.{f})")
+            format!(
+                "has(self.{f}) == has(oldSelf.{f}) && (!has(self.{f}) || self.{f} == oldSelf.{f})"
+            )
         }))
         .collect::<Vec<_>>()
         .join(" && ");

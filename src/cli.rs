@@ -51,9 +51,18 @@ pub struct OperatorArgs {
     /// Seconds between two status writes of a draining replay.
     #[arg(long, default_value_t = 2)]
     pub status_interval: u64,
-    /// This instance's name, for events (the pod name).
+    /// This instance's name, for events and the leader Lease (the pod name).
     #[arg(long, env = "POD_NAME", default_value = "dlq-replay")]
     pub instance: String,
+    /// Where /metrics, /healthz and /readyz are served.
+    #[arg(long, default_value = "0.0.0.0:8080")]
+    pub http_addr: std::net::SocketAddr,
+    /// The namespace of the leader-election Lease (the operator's own).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "dlq-replay")]
+    pub lease_namespace: String,
+    /// Drive replays without leader election (one replica only).
+    #[arg(long)]
+    pub no_leader_election: bool,
 }
 
 /// Where the broker and Redis are, when no cluster resolves the Secret references.
@@ -169,9 +178,11 @@ pub async fn main(cli: Cli) -> ExitCode {
 }
 
 async fn operator(args: OperatorArgs) -> Result<ExitCode, Error> {
-    let client = kube::Client::try_default()
-        .await
-        .map_err(|e| Error::Config(format!("no Kubernetes client (in-cluster or kubeconfig): {e}")))?;
+    let client = kube::Client::try_default().await.map_err(|e| {
+        Error::Config(format!(
+            "no Kubernetes client (in-cluster or kubeconfig): {e}"
+        ))
+    })?;
     let settings = crate::controller::Settings {
         namespace: args.namespace,
         max_concurrent: args.max_concurrent_replays.max(1),
@@ -179,7 +190,23 @@ async fn operator(args: OperatorArgs) -> Result<ExitCode, Error> {
         instance: args.instance,
         ..Default::default()
     };
-    crate::controller::run(client, settings).await;
+    let metrics = crate::metrics::Metrics::new();
+    let http = tokio::spawn(crate::metrics::serve(args.http_addr, metrics.clone()));
+    if args.no_leader_election {
+        metrics.set_ready(true);
+        metrics.leader.set(1);
+        crate::controller::run(client, settings).await;
+    } else {
+        crate::controller::run_with_leader_election(
+            client,
+            settings,
+            &args.lease_namespace,
+            metrics,
+        )
+        .await
+        .map_err(Error::Config)?;
+    }
+    http.abort();
     Ok(ExitCode::SUCCESS)
 }
 

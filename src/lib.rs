@@ -12,6 +12,7 @@ pub mod demo;
 pub mod engine;
 pub mod fixture;
 pub mod manifest;
+pub mod metrics;
 pub mod redact;
 pub mod telemetry;
 

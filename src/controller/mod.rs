@@ -84,8 +84,16 @@ pub struct Context {
 impl Context {
     /// A context for a client.
     pub fn new(client: Client, settings: Settings) -> Arc<Self> {
-        let reporter = Reporter { controller: "dlq-replay".into(), instance: Some(settings.instance.clone()) };
-        Arc::new(Self { recorder: Recorder::new(client.clone(), reporter), client, settings, tasks: Mutex::default() })
+        let reporter = Reporter {
+            controller: "dlq-replay".into(),
+            instance: Some(settings.instance.clone()),
+        };
+        Arc::new(Self {
+            recorder: Recorder::new(client.clone(), reporter),
+            client,
+            settings,
+            tasks: Mutex::default(),
+        })
     }
 
     /// Stop every task (their in-flight messages settle first) — for a clean shutdown.
@@ -103,14 +111,64 @@ impl Context {
     }
 }
 
+/// Lead, then drive replays while leading: only the holder of the Lease runs replays, so two
+/// replicas never replay the same queue. Losing the lease stops every task after its in-flight
+/// messages settle.
+pub async fn run_with_leader_election(
+    client: Client,
+    settings: Settings,
+    lease_ns: &str,
+    metrics: std::sync::Arc<crate::metrics::Metrics>,
+) -> Result<(), String> {
+    let manager = kube_lease_manager::LeaseManagerBuilder::new(client.clone(), "dlq-replay-leader")
+        .with_namespace(lease_ns)
+        .with_identity(settings.instance.clone())
+        .build()
+        .await
+        .map_err(|e| format!("lease: {e}"))?;
+    let (mut leading, _task) = manager.watch().await;
+    metrics.set_ready(true);
+    loop {
+        while !*leading.borrow_and_update() {
+            metrics.leader.set(0);
+            leading
+                .changed()
+                .await
+                .map_err(|_| "lease manager stopped".to_string())?;
+        }
+        metrics.leader.set(1);
+        tracing::info!(instance = %settings.instance, "leading: driving replays");
+        let mut lost = leading.clone();
+        let lost_lease = async move {
+            while *lost.borrow_and_update() {
+                if lost.changed().await.is_err() {
+                    break;
+                }
+            }
+        };
+        run_until(client.clone(), settings.clone(), lost_lease).await;
+        tracing::warn!("lost the lease: replays stopped, waiting to lead again");
+    }
+}
+
 /// Run the controller until the stream ends (or the process is signalled).
 pub async fn run(client: Client, settings: Settings) {
+    run_until(client, settings, futures::future::pending()).await
+}
+
+/// Run the controller until `stop` completes or the process is signalled.
+pub async fn run_until(
+    client: Client,
+    settings: Settings,
+    stop: impl std::future::Future<Output = ()> + Send + Sync + 'static,
+) {
     let api: Api<DlqReplay> = match &settings.namespace {
         Some(ns) => Api::namespaced(client.clone(), ns),
         None => Api::all(client.clone()),
     };
     let ctx = Context::new(client, settings);
     Controller::new(api, watcher::Config::default())
+        .graceful_shutdown_on(stop)
         .shutdown_on_signal()
         .run(reconcile, error_policy, ctx.clone())
         .for_each(|res| async move {
@@ -174,23 +232,40 @@ async fn apply(obj: Arc<DlqReplay>, ctx: Arc<Context>) -> Result<Action, Error> 
             return Ok(Action::requeue(Duration::from_secs(5)));
         }
     };
-    let source = format!("{}|{}", crate::redact::url(&replay.amqp_url), replay.spec.source.queue);
+    let source = format!(
+        "{}|{}",
+        crate::redact::url(&replay.amqp_url),
+        replay.spec.source.queue
+    );
     let mut tasks = ctx.tasks.lock().await;
     if let Some((other, _)) = tasks.iter().find(|(_, t)| t.source == source) {
-        let why = format!("SourceBusy: replay {other} is replaying queue {}", replay.spec.source.queue);
+        let why = format!(
+            "SourceBusy: replay {other} is replaying queue {}",
+            replay.spec.source.queue
+        );
         drop(tasks);
         set_pending(&ctx, &obj, Phase::Pending, &why).await?;
         return Ok(Action::requeue(Duration::from_secs(5)));
     }
     if tasks.len() >= ctx.settings.max_concurrent {
-        let why = format!("OperatorBusy: {} replays running (--max-concurrent-replays)", tasks.len());
+        let why = format!(
+            "OperatorBusy: {} replays running (--max-concurrent-replays)",
+            tasks.len()
+        );
         drop(tasks);
         set_pending(&ctx, &obj, Phase::Pending, &why).await?;
         return Ok(Action::requeue(Duration::from_secs(5)));
     }
     let cancel = CancellationToken::new();
     let handle = tokio::spawn(drive(ctx.clone(), obj.clone(), replay, cancel.clone()));
-    tasks.insert(key, Task { source, cancel, handle });
+    tasks.insert(
+        key,
+        Task {
+            source,
+            cancel,
+            handle,
+        },
+    );
     Ok(Action::requeue(Duration::from_secs(30)))
 }
 
@@ -206,7 +281,12 @@ async fn cleanup(obj: Arc<DlqReplay>, ctx: Arc<Context>) -> Result<Action, Error
 
 /// Write a waiting phase (Pending/Suspended) with its reason, only when it changed (a write
 /// triggers another reconcile).
-async fn set_pending(ctx: &Context, obj: &DlqReplay, phase: Phase, message: &str) -> Result<(), Error> {
+async fn set_pending(
+    ctx: &Context,
+    obj: &DlqReplay,
+    phase: Phase,
+    message: &str,
+) -> Result<(), Error> {
     let mut status = obj.status.clone().unwrap_or_default();
     if status.phase == Some(phase) && status.message.as_deref() == Some(message) {
         return Ok(());
@@ -219,13 +299,21 @@ async fn set_pending(ctx: &Context, obj: &DlqReplay, phase: Phase, message: &str
 async fn write_status(ctx: &Context, obj: &DlqReplay, next: &DlqReplayStatus) -> Result<(), Error> {
     let ns = obj.namespace().unwrap_or_else(|| "default".into());
     let api: Api<DlqReplay> = Api::namespaced(ctx.client.clone(), &ns);
-    let previous = obj.status.as_ref().map(|s| s.conditions.clone()).unwrap_or_default();
+    let previous = obj
+        .status
+        .as_ref()
+        .map(|s| s.conditions.clone())
+        .unwrap_or_default();
     let mut status = next.clone();
     status.observed_generation = obj.meta().generation;
     status.conditions = status::conditions(&status, &previous, &engine::now());
     let old_phase = obj.status.as_ref().and_then(|s| s.phase);
-    api.patch_status(&obj.name_any(), &PatchParams::default(), &Patch::Merge(json!({ "status": status })))
-        .await?;
+    api.patch_status(
+        &obj.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(json!({ "status": status })),
+    )
+    .await?;
     if old_phase != status.phase {
         publish_event(ctx, obj, &status).await;
     }
@@ -236,7 +324,11 @@ async fn publish_event(ctx: &Context, obj: &DlqReplay, status: &DlqReplayStatus)
     let phase = status.phase.unwrap_or(Phase::Pending);
     let warning = matches!(phase, Phase::Failed | Phase::CanaryFailed);
     let ev = Event {
-        type_: if warning { EventType::Warning } else { EventType::Normal },
+        type_: if warning {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        },
         reason: phase.to_string(),
         note: status.message.clone(),
         action: "Replay".into(),
@@ -308,10 +400,21 @@ pub async fn resolve(client: &Client, obj: &DlqReplay) -> Result<Replay, String>
         .or_else(|| spec.audit.as_ref().map(|a| (&a.redis, "spec.audit.redis")))
         .ok_or_else(|| "NoRedis: set spec.idempotency.redis or spec.audit.redis".to_string())?;
     let redis_url = url_of(client, &ns, redis.0, redis.1).await?;
-    Ok(Replay { namespace: ns, name: obj.name_any(), spec: spec.clone(), amqp_url, redis_url })
+    Ok(Replay {
+        namespace: ns,
+        name: obj.name_any(),
+        spec: spec.clone(),
+        amqp_url,
+        redis_url,
+    })
 }
 
-async fn url_of(client: &Client, ns: &str, c: &ConnectionSpec, path: &str) -> Result<String, String> {
+async fn url_of(
+    client: &Client,
+    ns: &str,
+    c: &ConnectionSpec,
+    path: &str,
+) -> Result<String, String> {
     if let Some(u) = &c.url {
         return Ok(u.clone());
     }
@@ -322,14 +425,34 @@ async fn url_of(client: &Client, ns: &str, c: &ConnectionSpec, path: &str) -> Re
     let secret = secrets
         .get_opt(&r.name)
         .await
-        .map_err(|e| format!("SecretUnreadable: Secret {ns}/{} ({path}.urlSecretRef): {e}", r.name))?
-        .ok_or_else(|| format!("SecretMissing: Secret {ns}/{} ({path}.urlSecretRef) does not exist", r.name))?;
+        .map_err(|e| {
+            format!(
+                "SecretUnreadable: Secret {ns}/{} ({path}.urlSecretRef): {e}",
+                r.name
+            )
+        })?
+        .ok_or_else(|| {
+            format!(
+                "SecretMissing: Secret {ns}/{} ({path}.urlSecretRef) does not exist",
+                r.name
+            )
+        })?;
     let value = secret
         .data
         .as_ref()
         .and_then(|d| d.get(&r.key))
         .map(|b| String::from_utf8_lossy(&b.0).trim().to_string())
-        .or_else(|| secret.string_data.as_ref().and_then(|d| d.get(&r.key).cloned()))
-        .ok_or_else(|| format!("SecretKeyMissing: Secret {ns}/{} has no key {:?} ({path}.urlSecretRef)", r.name, r.key))?;
+        .or_else(|| {
+            secret
+                .string_data
+                .as_ref()
+                .and_then(|d| d.get(&r.key).cloned())
+        })
+        .ok_or_else(|| {
+            format!(
+                "SecretKeyMissing: Secret {ns}/{} has no key {:?} ({path}.urlSecretRef)",
+                r.name, r.key
+            )
+        })?;
     Ok(value)
 }

@@ -11,8 +11,14 @@ pub fn conditions(status: &DlqReplayStatus, previous: &[Condition], now: &str) -
     let reason = reason_of(status);
     let wanted = [
         ("Ready", phase == Phase::Done),
-        ("Progressing", matches!(phase, Phase::Canary | Phase::Draining)),
-        ("Degraded", matches!(phase, Phase::Failed | Phase::CanaryFailed)),
+        (
+            "Progressing",
+            matches!(phase, Phase::Canary | Phase::Draining),
+        ),
+        (
+            "Degraded",
+            matches!(phase, Phase::Failed | Phase::CanaryFailed),
+        ),
     ];
     wanted
         .iter()
@@ -38,16 +44,25 @@ pub fn conditions(status: &DlqReplayStatus, previous: &[Condition], now: &str) -
 /// the phase.
 pub fn reason_of(status: &DlqReplayStatus) -> String {
     let phase = status.phase.unwrap_or(Phase::Pending).to_string();
-    let Some(msg) = &status.message else { return phase };
+    let Some(msg) = &status.message else {
+        return phase;
+    };
     match msg.split_once(':') {
-        Some((head, _)) if !head.is_empty() && head.chars().all(|c| c.is_ascii_alphanumeric()) => head.to_string(),
+        Some((head, _)) if !head.is_empty() && head.chars().all(|c| c.is_ascii_alphanumeric()) => {
+            head.to_string()
+        }
         _ => phase,
     }
 }
 
 /// Whether a new status must be written now: on any phase or canary change at once, else at
 /// most once per interval (so a 100,000-message drain does not make 100,000 writes).
-pub fn should_write(last: Option<&DlqReplayStatus>, next: &DlqReplayStatus, since_last_ms: u128, interval_ms: u128) -> bool {
+pub fn should_write(
+    last: Option<&DlqReplayStatus>,
+    next: &DlqReplayStatus,
+    since_last_ms: u128,
+    interval_ms: u128,
+) -> bool {
     match last {
         None => true,
         Some(l) if l.phase != next.phase || l.canary != next.canary => true,
@@ -60,16 +75,29 @@ mod tests {
     use super::*;
 
     fn st(phase: Phase, message: &str) -> DlqReplayStatus {
-        DlqReplayStatus { phase: Some(phase), message: Some(message.into()), ..Default::default() }
+        DlqReplayStatus {
+            phase: Some(phase),
+            message: Some(message.into()),
+            ..Default::default()
+        }
     }
 
     #[test]
     fn done_is_ready_and_failed_is_degraded() {
         let c = conditions(&st(Phase::Done, "ok"), &[], "t1");
-        assert_eq!(c.iter().find(|c| c.type_ == "Ready").unwrap().status, "True");
+        assert_eq!(
+            c.iter().find(|c| c.type_ == "Ready").unwrap().status,
+            "True"
+        );
         let c = conditions(&st(Phase::CanaryFailed, "x"), &[], "t1");
-        assert_eq!(c.iter().find(|c| c.type_ == "Degraded").unwrap().status, "True");
-        assert_eq!(c.iter().find(|c| c.type_ == "Ready").unwrap().status, "False");
+        assert_eq!(
+            c.iter().find(|c| c.type_ == "Degraded").unwrap().status,
+            "True"
+        );
+        assert_eq!(
+            c.iter().find(|c| c.type_ == "Ready").unwrap().status,
+            "False"
+        );
     }
 
     #[test]
@@ -79,13 +107,26 @@ mod tests {
         let p = second.iter().find(|c| c.type_ == "Progressing").unwrap();
         assert_eq!(p.last_transition_time, "t1");
         let third = conditions(&st(Phase::Done, "c"), &second, "t3");
-        assert_eq!(third.iter().find(|c| c.type_ == "Progressing").unwrap().last_transition_time, "t3");
+        assert_eq!(
+            third
+                .iter()
+                .find(|c| c.type_ == "Progressing")
+                .unwrap()
+                .last_transition_time,
+            "t3"
+        );
     }
 
     #[test]
     fn reason_comes_from_the_message_prefix() {
-        assert_eq!(reason_of(&st(Phase::Pending, "NoConsumer: no consumer on q")), "NoConsumer");
-        assert_eq!(reason_of(&st(Phase::Pending, "waiting for things")), "Pending");
+        assert_eq!(
+            reason_of(&st(Phase::Pending, "NoConsumer: no consumer on q")),
+            "NoConsumer"
+        );
+        assert_eq!(
+            reason_of(&st(Phase::Pending, "waiting for things")),
+            "Pending"
+        );
     }
 
     #[test]

@@ -196,10 +196,12 @@ async fn preflight<'a>(
                     "NoConsumer: no consumer is attached to target queue {q:?}"
                 )))
             }
-            Some((n, _)) if u64::from(n) > spec.canary.max_backlog => return Ok(Some(format!(
+            Some((n, _)) if u64::from(n) > spec.canary.max_backlog => {
+                return Ok(Some(format!(
                 "Backlog: target queue {q:?} holds {n} messages, more than canary.maxBacklog {}",
                 spec.canary.max_backlog
-            ))),
+            )))
+            }
             Some(_) => {}
         }
     }

@@ -152,9 +152,7 @@ fn payload_matches(m: &PayloadMatch, json: Option<&Value>) -> bool {
         return false;
     };
     m.equals.as_ref().is_none_or(|e| *e == text)
-        && m.in_
-            .as_ref()
-            .is_none_or(|set| set.contains(&text))
+        && m.in_.as_ref().is_none_or(|set| set.contains(&text))
 }
 
 /// The poison reason, or `None` for a healthy message.

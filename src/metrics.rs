@@ -1,0 +1,121 @@
+//! `/metrics` (Prometheus), `/healthz` and `/readyz` for the operator.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+use axum::Router;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+/// A label of one decision.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DecisionLabel {
+    /// replayed, duplicate, quarantined, skipped, failed.
+    pub decision: String,
+}
+
+/// A label of one phase.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PhaseLabel {
+    /// The phase.
+    pub phase: String,
+}
+
+/// The operator's metrics.
+pub struct Metrics {
+    /// Messages by decision.
+    pub messages: Family<DecisionLabel, Counter>,
+    /// Replays by phase (as last seen by this operator).
+    pub replays: Family<PhaseLabel, Gauge>,
+    /// Seconds from publish to confirm.
+    pub publish_latency: Histogram,
+    /// Keys published twice in Claim mode; must stay 0.
+    pub double_published: Counter,
+    /// Whether this instance leads (drives replays).
+    pub leader: Gauge,
+    registry: Registry,
+    ready: AtomicBool,
+}
+
+impl Metrics {
+    /// A registry with every metric.
+    pub fn new() -> Arc<Self> {
+        let mut registry = Registry::with_prefix("dlq_replay");
+        let messages = Family::<DecisionLabel, Counter>::default();
+        let replays = Family::<PhaseLabel, Gauge>::default();
+        let publish_latency = Histogram::new(exponential_buckets(0.0005, 2.0, 14));
+        let double_published = Counter::default();
+        let leader = Gauge::default();
+        registry.register("messages", "Messages by decision", messages.clone());
+        registry.register("replays", "Replays by phase", replays.clone());
+        registry.register(
+            "publish_latency_seconds",
+            "Publish to confirm",
+            publish_latency.clone(),
+        );
+        registry.register(
+            "double_published",
+            "Keys published twice in Claim mode (must stay 0)",
+            double_published.clone(),
+        );
+        registry.register(
+            "leader",
+            "1 when this instance drives replays",
+            leader.clone(),
+        );
+        Arc::new(Self {
+            messages,
+            replays,
+            publish_latency,
+            double_published,
+            leader,
+            registry,
+            ready: AtomicBool::new(false),
+        })
+    }
+
+    /// Mark the operator ready (its watch is up).
+    pub fn set_ready(&self, ready: bool) {
+        self.ready.store(ready, Ordering::Relaxed);
+    }
+
+    fn encode(&self) -> String {
+        let mut out = String::new();
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// The HTTP routes.
+pub fn router(metrics: Arc<Metrics>) -> Router {
+    Router::new()
+        .route(
+            "/metrics",
+            get(|State(m): State<Arc<Metrics>>| async move { m.encode() }),
+        )
+        .route("/healthz", get(|| async { "ok" }))
+        .route(
+            "/readyz",
+            get(|State(m): State<Arc<Metrics>>| async move {
+                if m.ready.load(Ordering::Relaxed) {
+                    (StatusCode::OK, "ready")
+                } else {
+                    (StatusCode::SERVICE_UNAVAILABLE, "not ready")
+                }
+            }),
+        )
+        .with_state(metrics)
+}
+
+/// Serve the routes on `addr` until the process ends.
+pub async fn serve(addr: std::net::SocketAddr, metrics: Arc<Metrics>) -> std::io::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    axum::serve(listener, router(metrics)).await
+}
