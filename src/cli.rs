@@ -190,7 +190,7 @@ async fn operator(args: OperatorArgs) -> Result<ExitCode, Error> {
         instance: args.instance,
         ..Default::default()
     };
-    let metrics = crate::metrics::Metrics::new();
+    let metrics = crate::metrics::Metrics::global();
     let http = tokio::spawn(crate::metrics::serve(args.http_addr, metrics.clone()));
     if args.no_leader_election {
         metrics.set_ready(true);

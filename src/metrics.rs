@@ -11,7 +11,6 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 /// A label of one decision.
@@ -34,10 +33,6 @@ pub struct Metrics {
     pub messages: Family<DecisionLabel, Counter>,
     /// Replays by phase (as last seen by this operator).
     pub replays: Family<PhaseLabel, Gauge>,
-    /// Seconds from publish to confirm.
-    pub publish_latency: Histogram,
-    /// Keys published twice in Claim mode; must stay 0.
-    pub double_published: Counter,
     /// Whether this instance leads (drives replays).
     pub leader: Gauge,
     registry: Registry,
@@ -50,21 +45,9 @@ impl Metrics {
         let mut registry = Registry::with_prefix("dlq_replay");
         let messages = Family::<DecisionLabel, Counter>::default();
         let replays = Family::<PhaseLabel, Gauge>::default();
-        let publish_latency = Histogram::new(exponential_buckets(0.0005, 2.0, 14));
-        let double_published = Counter::default();
         let leader = Gauge::default();
         registry.register("messages", "Messages by decision", messages.clone());
         registry.register("replays", "Replays by phase", replays.clone());
-        registry.register(
-            "publish_latency_seconds",
-            "Publish to confirm",
-            publish_latency.clone(),
-        );
-        registry.register(
-            "double_published",
-            "Keys published twice in Claim mode (must stay 0)",
-            double_published.clone(),
-        );
         registry.register(
             "leader",
             "1 when this instance drives replays",
@@ -73,12 +56,57 @@ impl Metrics {
         Arc::new(Self {
             messages,
             replays,
-            publish_latency,
-            double_published,
             leader,
             registry,
             ready: AtomicBool::new(false),
         })
+    }
+
+    /// The process-wide metrics (one registry per process, like Prometheus' default one).
+    pub fn global() -> Arc<Self> {
+        static GLOBAL: std::sync::OnceLock<Arc<Metrics>> = std::sync::OnceLock::new();
+        GLOBAL.get_or_init(Metrics::new).clone()
+    }
+
+    /// Count the decisions between two count snapshots.
+    pub fn count(&self, before: &crate::api::Counts, after: &crate::api::Counts) {
+        let pairs = [
+            ("replayed", before.replayed, after.replayed),
+            ("duplicate", before.duplicates, after.duplicates),
+            ("quarantined", before.quarantined, after.quarantined),
+            ("skipped", before.skipped, after.skipped),
+            ("failed", before.failed, after.failed),
+        ];
+        for (decision, b, a) in pairs {
+            if a > b {
+                self.messages
+                    .get_or_create(&DecisionLabel {
+                        decision: decision.into(),
+                    })
+                    .inc_by(a - b);
+            }
+        }
+    }
+
+    /// Move one replay from one phase to another in the phase gauge.
+    pub fn phase_change(&self, from: Option<crate::api::Phase>, to: Option<crate::api::Phase>) {
+        if from == to {
+            return;
+        }
+        if let Some(f) = from {
+            self.replays
+                .get_or_create(&PhaseLabel {
+                    phase: f.to_string(),
+                })
+                .dec();
+        }
+        if let Some(t) = to {
+            self.replays
+                .get_or_create(&PhaseLabel {
+                    phase: t.to_string(),
+                })
+                .inc();
+        }
     }
 
     /// Mark the operator ready (its watch is up).

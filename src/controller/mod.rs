@@ -308,6 +308,12 @@ async fn write_status(ctx: &Context, obj: &DlqReplay, next: &DlqReplayStatus) ->
     status.observed_generation = obj.meta().generation;
     status.conditions = status::conditions(&status, &previous, &engine::now());
     let old_phase = obj.status.as_ref().and_then(|s| s.phase);
+    let metrics = crate::metrics::Metrics::global();
+    metrics.count(
+        &obj.status.clone().unwrap_or_default().counts,
+        &status.counts,
+    );
+    metrics.phase_change(old_phase, status.phase);
     api.patch_status(
         &obj.name_any(),
         &PatchParams::default(),
