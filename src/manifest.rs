@@ -4,6 +4,9 @@
 //! person reading it is holding a YAML file, not our Rust types.
 
 use crate::api::{ConnectionSpec, DlqReplay, DlqReplaySpec, API_VERSION, KIND};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
+    JSONSchemaProps, JSONSchemaPropsOrArray, JSONSchemaPropsOrBool,
+};
 
 /// A manifest that cannot be replayed, with the path of every offending field.
 #[derive(Debug, thiserror::Error)]
@@ -46,11 +49,20 @@ pub fn parse(text: &str) -> Result<DlqReplay, ManifestError> {
     let value: serde_json::Value =
         serde_yaml::from_str(text).map_err(|e| ManifestError::Yaml(e.to_string()))?;
     check_envelope(&value)?;
+    check_no_list_for_map(&value, &schema(), "")?;
+    let mut urls = Vec::new();
+    urls_with_userinfo(&value, &mut urls);
     let replay: DlqReplay = serde_path_to_error::deserialize(value).map_err(|e| {
         let path = e.path().to_string();
+        // serde quotes the offending value (`invalid type: string "amqp://u:pw@h/"`): mask the
+        // password of any URL the manifest holds.
+        let mut message = e.into_inner().to_string();
+        for u in &urls {
+            message = message.replace(u.as_str(), &crate::redact::url(u));
+        }
         ManifestError::Field {
             path: if path == "." { "(root)".into() } else { path },
-            message: e.into_inner().to_string(),
+            message,
         }
     })?;
     let mut errors = Vec::new();
@@ -74,6 +86,68 @@ pub fn load(path: &str) -> Result<DlqReplay, crate::Error> {
     }
     .map_err(|e| crate::Error::Io(format!("cannot read {path}: {e}")))?;
     parse(&text).map_err(|e| crate::Error::Manifest(format!("{path}: {e}")))
+}
+
+/// Every string in the manifest that looks like a URL with credentials (`scheme://user:pw@`).
+fn urls_with_userinfo(value: &serde_json::Value, out: &mut Vec<String>) {
+    match value {
+        serde_json::Value::String(s) if s.contains("://") && s.contains('@') => out.push(s.clone()),
+        serde_json::Value::Array(items) => items.iter().for_each(|v| urls_with_userinfo(v, out)),
+        serde_json::Value::Object(map) => map.values().for_each(|v| urls_with_userinfo(v, out)),
+        _ => {}
+    }
+}
+
+/// The resource's structural schema, as the API server sees it.
+fn schema() -> JSONSchemaProps {
+    let crd = <crate::api::DlqReplay as kube::CustomResourceExt>::crd();
+    crd.spec
+        .versions
+        .into_iter()
+        .next()
+        .and_then(|v| v.schema)
+        .and_then(|s| s.open_api_v3_schema)
+        .unwrap_or_default()
+}
+
+/// serde lets a struct be written as the list of its fields in order (`source: [media.dlq]`);
+/// the API server does not, so neither do we: a list where the schema has an object is refused.
+fn check_no_list_for_map(
+    value: &serde_json::Value,
+    schema: &JSONSchemaProps,
+    path: &str,
+) -> Result<(), ManifestError> {
+    match value {
+        serde_json::Value::Array(items) => {
+            if schema.type_.as_deref() == Some("object") {
+                return Err(field(path, "invalid type: sequence, expected a map"));
+            }
+            if let Some(JSONSchemaPropsOrArray::Schema(item)) = &schema.items {
+                for (i, v) in items.iter().enumerate() {
+                    check_no_list_for_map(v, item, &format!("{path}[{i}]"))?;
+                }
+            }
+        }
+        serde_json::Value::Object(map) => {
+            for (k, v) in map {
+                let sub = schema.properties.as_ref().and_then(|p| p.get(k));
+                let sub = sub.or(match &schema.additional_properties {
+                    Some(JSONSchemaPropsOrBool::Schema(s)) => Some(&**s),
+                    _ => None,
+                });
+                if let Some(sub) = sub {
+                    let p = if path.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{path}.{k}")
+                    };
+                    check_no_list_for_map(v, sub, &p)?;
+                }
+            }
+        }
+        _ => {}
+    }
+    Ok(())
 }
 
 fn check_envelope(value: &serde_json::Value) -> Result<(), ManifestError> {
