@@ -1,6 +1,8 @@
 //! Test support: real dead letters on the real broker, each test in its own names.
 #![allow(dead_code)]
 
+pub mod fake_api;
+
 use std::collections::BTreeMap;
 
 use dlq_replay::api::{DlqReplay, DlqReplayStatus};

@@ -1,0 +1,1344 @@
+//! Conformance of the fake API server (`tests/support/fake_api.rs`) with a real one.
+//!
+//! Every check runs twice: `fake::NAME` against the in-process fake, and `e2e::NAME` against a
+//! real cluster when `E2E=1` and `KUBECONFIG` are set (a fresh namespace per test, the CRD from
+//! `crds/dlqreplay.yaml` applied first). Without them the `e2e::*` tests print
+//! `SKIPPED: E2E=1 and KUBECONFIG not set` and check nothing. `fake_only::*` covers the fake's own
+//! helpers (`put_secret`, `events`, `status_writes`, `get_json`, `expire_watches`).
+
+mod support;
+
+use std::io::Write as _;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dlq_replay::api::{DlqReplay, DlqReplayStatus, Phase};
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Namespace, ObjectReference, Secret};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::{
+    Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams,
+};
+use kube::runtime::{finalizer, watcher};
+use kube::{Client, Resource, ResourceExt};
+use serde_json::{json, Value};
+use support::fake_api::FakeApi;
+
+const SKIP: &str = "SKIPPED: E2E=1 and KUBECONFIG not set";
+const MANAGER: &str = "dlq-replay-conformance";
+const FINALIZER: &str = "replay.dlq.dev/conformance";
+
+/// Where a check runs: the fake, or a namespace of a real cluster.
+struct Env {
+    client: Client,
+    ns: String,
+    fake: Option<FakeApi>,
+}
+
+impl Env {
+    async fn fake() -> Env {
+        let fake = FakeApi::start().await;
+        Env {
+            client: fake.client(),
+            ns: "conformance".into(),
+            fake: Some(fake),
+        }
+    }
+
+    /// A fresh namespace of the cluster `KUBECONFIG` points at, with the CRD applied; `None` (and
+    /// a SKIPPED line on stderr) unless `E2E=1` and `KUBECONFIG` are set.
+    async fn real(test: &str) -> Option<Env> {
+        let e2e = std::env::var("E2E").is_ok_and(|v| v == "1");
+        let kubeconfig = std::env::var("KUBECONFIG").is_ok_and(|v| !v.is_empty());
+        if !(e2e && kubeconfig) {
+            // Straight to the process's stderr, past the test harness's capture.
+            let _ = writeln!(std::io::stderr(), "e2e::{test}: {SKIP}");
+            return None;
+        }
+        let client = Client::try_default()
+            .await
+            .expect("kube client from KUBECONFIG");
+        apply_crd(&client).await;
+        let ns = format!(
+            "dlq-conf-{}-{}",
+            test.replace('_', "-").chars().take(40).collect::<String>(),
+            &uuid::Uuid::new_v4().simple().to_string()[..6]
+        );
+        let namespace: Namespace =
+            serde_json::from_value(json!({"metadata": {"name": ns}})).unwrap();
+        Api::<Namespace>::all(client.clone())
+            .create(&PostParams::default(), &namespace)
+            .await
+            .expect("create test namespace");
+        let _ = writeln!(
+            std::io::stderr(),
+            "e2e::{test}: running against the real cluster in namespace {ns}"
+        );
+        Some(Env {
+            client,
+            ns,
+            fake: None,
+        })
+    }
+
+    fn replays(&self) -> Api<DlqReplay> {
+        Api::namespaced(self.client.clone(), &self.ns)
+    }
+
+    fn secrets(&self) -> Api<Secret> {
+        Api::namespaced(self.client.clone(), &self.ns)
+    }
+
+    fn leases(&self) -> Api<Lease> {
+        Api::namespaced(self.client.clone(), &self.ns)
+    }
+
+    /// Forces `410 Gone` for watches from older versions; `false` where that cannot be done (a
+    /// real cluster compacts on its own schedule).
+    fn expire_watches(&self) -> bool {
+        match &self.fake {
+            Some(f) => {
+                f.expire_watches();
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Removes what a real cluster would keep: finalizers of our objects, then the namespace.
+    async fn cleanup(&self) {
+        if self.fake.is_some() {
+            return;
+        }
+        let api = self.replays();
+        if let Ok(list) = api.list(&ListParams::default()).await {
+            for r in list {
+                if !r.finalizers().is_empty() {
+                    let _ = api
+                        .patch(
+                            &r.name_any(),
+                            &PatchParams::default(),
+                            &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+                        )
+                        .await;
+                }
+            }
+        }
+        let _ = Api::<Namespace>::all(self.client.clone())
+            .delete(&self.ns, &DeleteParams::default())
+            .await;
+    }
+}
+
+async fn apply_crd(client: &Client) {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/crds/dlqreplay.yaml");
+    let text = std::fs::read_to_string(path).expect("crds/dlqreplay.yaml");
+    let crd: CustomResourceDefinition = serde_yaml::from_str(&text).expect("CRD yaml");
+    let crds = Api::<CustomResourceDefinition>::all(client.clone());
+    crds.patch(
+        &crd.name_any(),
+        &PatchParams::apply(MANAGER).force(),
+        &Patch::Apply(&crd),
+    )
+    .await
+    .expect("apply CRD");
+    let established = eventually(Duration::from_secs(60), || async {
+        let crd = crds.get(&crd.name_any()).await.ok()?;
+        crd.status?
+            .conditions?
+            .iter()
+            .any(|c| c.type_ == "Established" && c.status == "True")
+            .then_some(())
+    })
+    .await;
+    assert!(established.is_some(), "CRD not Established within 60s");
+}
+
+/// Polls `f` until it answers `Some`, or `None` after `limit`.
+async fn eventually<T, F, Fut>(limit: Duration, mut f: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let end = tokio::time::Instant::now() + limit;
+    loop {
+        if let Some(v) = f().await {
+            return Some(v);
+        }
+        if tokio::time::Instant::now() >= end {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn replay(name: &str, ns: &str) -> DlqReplay {
+    let text = format!(
+        "apiVersion: replay.dlq.dev/v1alpha1\nkind: DlqReplay\nmetadata: {{name: {name}, namespace: {ns}}}\nspec:\n  broker: {{url: \"amqp://guest:guest@127.0.0.1:5672/%2f\"}}\n  source: {{queue: {name}-dlq}}\n  quarantine: {{queue: {name}-quarantine}}\n"
+    );
+    dlq_replay::manifest::parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"))
+}
+
+fn rv<K: Resource>(k: &K) -> u64 {
+    k.meta()
+        .resource_version
+        .as_deref()
+        .expect("resourceVersion")
+        .parse()
+        .expect("numeric resourceVersion")
+}
+
+fn generation<K: Resource>(k: &K) -> i64 {
+    k.meta().generation.expect("generation")
+}
+
+fn api_code(e: &kube::Error) -> (u16, String) {
+    match e {
+        kube::Error::Api(s) => (s.code, s.reason.clone()),
+        other => panic!("expected an API error, got {other:?}"),
+    }
+}
+
+fn merge(v: Value) -> Patch<Value> {
+    Patch::Merge(v)
+}
+
+fn pp() -> PatchParams {
+    PatchParams::default()
+}
+
+/// A watch event reduced to (type, name, resourceVersion).
+fn summarize(e: &WatchEvent<DlqReplay>) -> (String, String, u64) {
+    match e {
+        WatchEvent::Added(o) => ("ADDED".into(), o.name_any(), rv(o)),
+        WatchEvent::Modified(o) => ("MODIFIED".into(), o.name_any(), rv(o)),
+        WatchEvent::Deleted(o) => ("DELETED".into(), o.name_any(), rv(o)),
+        WatchEvent::Bookmark(b) => (
+            "BOOKMARK".into(),
+            String::new(),
+            b.metadata.resource_version.parse().unwrap_or(0),
+        ),
+        WatchEvent::Error(s) => (format!("ERROR {}", s.code), String::new(), 0),
+    }
+}
+
+/// The next `n` non-bookmark events of a watch, within `limit`.
+async fn take_events<S>(stream: &mut S, n: usize, limit: Duration) -> Vec<WatchEvent<DlqReplay>>
+where
+    S: futures::Stream<Item = kube::Result<WatchEvent<DlqReplay>>> + Unpin,
+{
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(limit, async {
+        while out.len() < n {
+            match stream.next().await {
+                Some(Ok(WatchEvent::Bookmark(_))) => {}
+                Some(Ok(e)) => out.push(e),
+                Some(Err(e)) => panic!("watch failed: {e:?}"),
+                None => break,
+            }
+        }
+    })
+    .await;
+    out
+}
+
+// ---------------------------------------------------------------- checks (fake and real)
+
+async fn resource_version_grows(env: &Env) {
+    let api = env.replays();
+    let a = api
+        .create(&PostParams::default(), &replay("rv-a", &env.ns))
+        .await
+        .unwrap();
+    let rv1 = rv(&a);
+    let a2 = api
+        .patch(
+            "rv-a",
+            &pp(),
+            &merge(json!({"metadata": {"labels": {"n": "1"}}})),
+        )
+        .await
+        .unwrap();
+    let rv2 = rv(&a2);
+    assert!(rv2 > rv1, "{rv2} > {rv1}");
+    let s: Secret =
+        serde_json::from_value(json!({"metadata": {"name": "rv-s"}, "stringData": {"k": "v"}}))
+            .unwrap();
+    let s = env
+        .secrets()
+        .create(&PostParams::default(), &s)
+        .await
+        .unwrap();
+    let rv3 = rv(&s);
+    assert!(rv3 > rv2, "{rv3} > {rv2}");
+    let list = api.list(&ListParams::default()).await.unwrap();
+    let list_rv: u64 = list.metadata.resource_version.unwrap().parse().unwrap();
+    assert!(list_rv >= rv3, "list {list_rv} >= {rv3}");
+    // A read does not bump it; a no-op write neither.
+    let got = api.get("rv-a").await.unwrap();
+    assert_eq!(rv(&got), rv2);
+    let same = api
+        .patch(
+            "rv-a",
+            &pp(),
+            &merge(json!({"metadata": {"labels": {"n": "1"}}})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(rv(&same), rv2, "a no-op patch keeps the resourceVersion");
+    assert!(a.uid().is_some_and(|u| !u.is_empty()), "uid assigned");
+    assert!(
+        a.meta().creation_timestamp.is_some(),
+        "creationTimestamp set"
+    );
+}
+
+async fn generation_bumps_only_on_spec_changes(env: &Env) {
+    let api = env.replays();
+    let a = api
+        .create(&PostParams::default(), &replay("gen", &env.ns))
+        .await
+        .unwrap();
+    assert_eq!(generation(&a), 1);
+    let labelled = api
+        .patch(
+            "gen",
+            &pp(),
+            &merge(json!({"metadata": {"labels": {"x": "y"}, "annotations": {"a": "b"}}})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(generation(&labelled), 1, "metadata-only change");
+    assert!(rv(&labelled) > rv(&a));
+    let st = api
+        .patch_status(
+            "gen",
+            &pp(),
+            &merge(json!({"status": {"phase": "Draining"}})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(generation(&st), 1, "status change");
+    let spec = api
+        .patch("gen", &pp(), &merge(json!({"spec": {"suspend": true}})))
+        .await
+        .unwrap();
+    assert_eq!(generation(&spec), 2, "spec change");
+    assert!(spec.spec.suspend);
+    // A replace that keeps the spec keeps the generation.
+    let mut again = spec.clone();
+    again
+        .metadata
+        .labels
+        .get_or_insert_default()
+        .insert("z".into(), "1".into());
+    let replaced = api
+        .replace("gen", &PostParams::default(), &again)
+        .await
+        .unwrap();
+    assert_eq!(generation(&replaced), 2, "replace without spec change");
+    let mut changed = replaced.clone();
+    changed.spec.dry_run = true;
+    let replaced = api
+        .replace("gen", &PostParams::default(), &changed)
+        .await
+        .unwrap();
+    assert_eq!(generation(&replaced), 3, "replace with spec change");
+}
+
+async fn status_and_spec_are_separate(env: &Env) {
+    let api = env.replays();
+    let mut with_status = replay("sub", &env.ns);
+    with_status.status = Some(DlqReplayStatus {
+        phase: Some(Phase::Done),
+        ..Default::default()
+    });
+    let created = api
+        .create(&PostParams::default(), &with_status)
+        .await
+        .unwrap();
+    assert!(
+        created.status.as_ref().and_then(|s| s.phase).is_none(),
+        "create ignores .status: {:?}",
+        created.status
+    );
+    // A status patch cannot change spec.
+    let st = api
+        .patch_status(
+            "sub",
+            &pp(),
+            &merge(
+                json!({"spec": {"suspend": true}, "status": {"phase": "Draining", "message": "m"}}),
+            ),
+        )
+        .await
+        .unwrap();
+    assert_eq!(st.status.as_ref().unwrap().phase, Some(Phase::Draining));
+    assert!(!st.spec.suspend, "status patch changed spec");
+    // A spec patch cannot change status.
+    let sp = api
+        .patch(
+            "sub",
+            &pp(),
+            &merge(json!({"spec": {"dryRun": true}, "status": {"phase": "Failed"}})),
+        )
+        .await
+        .unwrap();
+    assert!(sp.spec.dry_run);
+    assert_eq!(
+        sp.status.as_ref().unwrap().phase,
+        Some(Phase::Draining),
+        "spec patch changed status"
+    );
+    // Same for replace and replace_status.
+    let mut body = sp.clone();
+    body.spec.suspend = true;
+    body.status.as_mut().unwrap().phase = Some(Phase::Done);
+    let rs = api
+        .replace_status("sub", &PostParams::default(), &body)
+        .await
+        .unwrap();
+    assert_eq!(rs.status.as_ref().unwrap().phase, Some(Phase::Done));
+    assert!(!rs.spec.suspend, "replace_status changed spec");
+    let mut body = rs.clone();
+    body.spec.suspend = true;
+    body.status.as_mut().unwrap().phase = Some(Phase::Failed);
+    let r = api
+        .replace("sub", &PostParams::default(), &body)
+        .await
+        .unwrap();
+    assert!(r.spec.suspend);
+    assert_eq!(
+        r.status.as_ref().unwrap().phase,
+        Some(Phase::Done),
+        "replace changed status"
+    );
+    let got = api.get_status("sub").await.unwrap();
+    assert_eq!(got.status.unwrap().phase, Some(Phase::Done));
+}
+
+async fn finalizers_hold_deletion(env: &Env) {
+    let api = env.replays();
+    let mut r = replay("fin", &env.ns);
+    r.metadata.finalizers = Some(vec![FINALIZER.into()]);
+    api.create(&PostParams::default(), &r).await.unwrap();
+    let deleted = api.delete("fin", &DeleteParams::default()).await.unwrap();
+    let held = deleted
+        .left()
+        .expect("object kept while a finalizer is on it");
+    assert!(held.meta().deletion_timestamp.is_some());
+    let got = api.get("fin").await.unwrap();
+    assert!(
+        got.meta().deletion_timestamp.is_some(),
+        "deletionTimestamp set"
+    );
+    assert_eq!(got.finalizers(), [FINALIZER.to_string()]);
+    // A failed JSON-patch test is refused, and nothing changes.
+    let wrong: json_patch::Patch = serde_json::from_value(json!([
+        {"op": "test", "path": "/metadata/finalizers/0", "value": "someone-else"},
+        {"op": "remove", "path": "/metadata/finalizers/0"},
+    ]))
+    .unwrap();
+    let e = api
+        .patch("fin", &pp(), &Patch::Json::<()>(wrong))
+        .await
+        .unwrap_err();
+    assert_eq!(api_code(&e).0, 422, "{e:?}");
+    assert_eq!(api.get("fin").await.unwrap().finalizers().len(), 1);
+    // Removing the last finalizer lets the deletion finish.
+    let remove: json_patch::Patch = serde_json::from_value(json!([
+        {"op": "test", "path": "/metadata/finalizers/0", "value": FINALIZER},
+        {"op": "remove", "path": "/metadata/finalizers/0"},
+    ]))
+    .unwrap();
+    api.patch("fin", &pp(), &Patch::Json::<()>(remove))
+        .await
+        .unwrap();
+    let gone = eventually(Duration::from_secs(20), || async {
+        api.get_opt("fin").await.unwrap().is_none().then_some(())
+    })
+    .await;
+    assert!(
+        gone.is_some(),
+        "object still there after its last finalizer went"
+    );
+
+    // kube's finalizer helper: adds its finalizer (JSON patch testing a missing path for null),
+    // then on deletion runs cleanup and removes it.
+    api.create(&PostParams::default(), &replay("helper", &env.ns))
+        .await
+        .unwrap();
+    let obj = Arc::new(api.get("helper").await.unwrap());
+    finalizer(&api, FINALIZER, obj, |_| async {
+        Ok::<_, std::io::Error>(kube::runtime::controller::Action::await_change())
+    })
+    .await
+    .expect("finalizer added");
+    let obj = api.get("helper").await.unwrap();
+    assert_eq!(obj.finalizers(), [FINALIZER.to_string()]);
+    api.delete("helper", &DeleteParams::default())
+        .await
+        .unwrap();
+    let obj = Arc::new(api.get("helper").await.unwrap());
+    assert!(obj.meta().deletion_timestamp.is_some());
+    let mut cleaned = false;
+    finalizer(&api, FINALIZER, obj, |ev| {
+        cleaned = matches!(ev, finalizer::Event::Cleanup(_));
+        async { Ok::<_, std::io::Error>(kube::runtime::controller::Action::await_change()) }
+    })
+    .await
+    .expect("finalizer removed");
+    assert!(cleaned, "cleanup ran");
+    let gone = eventually(Duration::from_secs(20), || async {
+        api.get_opt("helper").await.unwrap().is_none().then_some(())
+    })
+    .await;
+    assert!(gone.is_some(), "helper's object still there after cleanup");
+}
+
+async fn watch_replays_later_changes_in_order(env: &Env) {
+    let api = env.replays();
+    let a = api
+        .create(&PostParams::default(), &replay("wa", &env.ns))
+        .await
+        .unwrap();
+    let from = a.resource_version().unwrap();
+    api.patch(
+        "wa",
+        &pp(),
+        &merge(json!({"metadata": {"labels": {"step": "1"}}})),
+    )
+    .await
+    .unwrap();
+    api.create(&PostParams::default(), &replay("wb", &env.ns))
+        .await
+        .unwrap();
+    api.patch_status("wa", &pp(), &merge(json!({"status": {"phase": "Canary"}})))
+        .await
+        .unwrap();
+    api.delete("wb", &DeleteParams::default()).await.unwrap();
+
+    let wp = WatchParams::default().timeout(20);
+    let mut stream = api.watch(&wp, &from).await.unwrap().boxed();
+    let events = take_events(&mut stream, 4, Duration::from_secs(15)).await;
+    let got: Vec<(String, String)> = events
+        .iter()
+        .map(summarize)
+        .map(|(t, n, _)| (t, n))
+        .collect();
+    let want: Vec<(String, String)> = [
+        ("MODIFIED", "wa"),
+        ("ADDED", "wb"),
+        ("MODIFIED", "wa"),
+        ("DELETED", "wb"),
+    ]
+    .iter()
+    .map(|(t, n)| (t.to_string(), n.to_string()))
+    .collect();
+    assert_eq!(got, want);
+    let rvs: Vec<u64> = events.iter().map(|e| summarize(e).2).collect();
+    assert!(rvs.windows(2).all(|w| w[0] < w[1]), "{rvs:?}");
+    assert!(rvs[0] > from.parse::<u64>().unwrap());
+    if let WatchEvent::Modified(o) = &events[2] {
+        assert_eq!(o.status.as_ref().unwrap().phase, Some(Phase::Canary));
+    }
+    // Then live changes.
+    api.create(&PostParams::default(), &replay("wc", &env.ns))
+        .await
+        .unwrap();
+    let live = take_events(&mut stream, 1, Duration::from_secs(15)).await;
+    assert_eq!(
+        live.iter().map(|e| summarize(e).0).collect::<Vec<_>>(),
+        ["ADDED"]
+    );
+    assert_eq!(summarize(&live[0]).1, "wc");
+
+    // A single-object watch (metadata.name field selector) sees only that object.
+    let wp = WatchParams::default()
+        .fields("metadata.name=wa")
+        .timeout(20);
+    let mut one = api.watch(&wp, &from).await.unwrap().boxed();
+    let events = take_events(&mut one, 2, Duration::from_secs(15)).await;
+    assert_eq!(
+        events
+            .iter()
+            .map(summarize)
+            .map(|(t, n, _)| (t, n))
+            .collect::<Vec<_>>(),
+        vec![
+            ("MODIFIED".to_string(), "wa".to_string()),
+            ("MODIFIED".into(), "wa".into())
+        ]
+    );
+    api.patch(
+        "wc",
+        &pp(),
+        &merge(json!({"metadata": {"labels": {"other": "1"}}})),
+    )
+    .await
+    .unwrap();
+    api.patch(
+        "wa",
+        &pp(),
+        &merge(json!({"metadata": {"labels": {"step": "2"}}})),
+    )
+    .await
+    .unwrap();
+    let next = take_events(&mut one, 1, Duration::from_secs(15)).await;
+    assert_eq!(
+        summarize(&next[0]).1,
+        "wa",
+        "field selector let another object through"
+    );
+}
+
+async fn expired_watch_relists(env: &Env) {
+    let api = env.replays();
+    let a = api
+        .create(&PostParams::default(), &replay("exp", &env.ns))
+        .await
+        .unwrap();
+    let old = a.resource_version().unwrap();
+
+    // An open watch, to be ended by the expiry.
+    let mut open = api
+        .watch(&WatchParams::default().timeout(60), &old)
+        .await
+        .unwrap()
+        .boxed();
+
+    // A watcher that has listed.
+    let mut w = watcher(api.clone(), watcher::Config::default()).boxed();
+    let mut inits = 0;
+    let seen_init = tokio::time::timeout(Duration::from_secs(15), async {
+        while let Some(ev) = w.next().await {
+            match ev {
+                Ok(watcher::Event::Init) => inits += 1,
+                Ok(watcher::Event::InitDone) => return,
+                _ => {}
+            }
+        }
+    })
+    .await;
+    assert!(seen_init.is_ok(), "watcher did not finish its initial list");
+
+    let expired = env.expire_watches();
+    if expired {
+        // The open watch ends.
+        let ended = tokio::time::timeout(Duration::from_secs(5), async {
+            while let Some(Ok(_)) = open.next().await {}
+        })
+        .await;
+        assert!(ended.is_ok(), "open watch did not end on expiry");
+        // A watch from before the expiry answers 410 Gone.
+        let first = match api.watch(&WatchParams::default().timeout(10), &old).await {
+            Ok(s) => s.boxed().try_next().await,
+            Err(e) => Err(e),
+        };
+        match first {
+            Ok(Some(WatchEvent::Error(s))) => assert_eq!(s.code, 410, "{s:?}"),
+            Err(kube::Error::Api(s)) => assert_eq!(s.code, 410, "{s:?}"),
+            other => panic!("expected 410 Gone, got {other:?}"),
+        }
+    } else {
+        let _ = writeln!(
+            std::io::stderr(),
+            "note: a real cluster cannot be made to expire watches on demand; checking only that the watcher follows later changes"
+        );
+    }
+    drop(open);
+
+    api.patch(
+        "exp",
+        &pp(),
+        &merge(json!({"metadata": {"labels": {"v": "2"}}})),
+    )
+    .await
+    .unwrap();
+    let label = |o: &DlqReplay| o.labels().get("v").cloned();
+    let saw_v2 = tokio::time::timeout(Duration::from_secs(20), async {
+        while let Some(ev) = w.next().await {
+            match ev {
+                Ok(watcher::Event::Init) => inits += 1,
+                Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o))
+                    if label(&o).as_deref() == Some("2") =>
+                {
+                    return;
+                }
+                _ => {}
+            }
+        }
+    })
+    .await;
+    assert!(
+        saw_v2.is_ok(),
+        "watcher did not see the change after expiry"
+    );
+    if expired {
+        assert!(
+            inits >= 2,
+            "watcher did not relist after 410 (inits = {inits})"
+        );
+    }
+    // And it keeps following live changes.
+    api.patch(
+        "exp",
+        &pp(),
+        &merge(json!({"metadata": {"labels": {"v": "3"}}})),
+    )
+    .await
+    .unwrap();
+    let saw_v3 = tokio::time::timeout(Duration::from_secs(20), async {
+        while let Some(ev) = w.next().await {
+            if let Ok(watcher::Event::Apply(o) | watcher::Event::InitApply(o)) = ev {
+                if label(&o).as_deref() == Some("3") {
+                    return;
+                }
+            }
+        }
+    })
+    .await;
+    assert!(
+        saw_v3.is_ok(),
+        "watcher did not follow live changes after the relist"
+    );
+}
+
+async fn patches_of_every_kind(env: &Env) {
+    let api = env.replays();
+    api.create(&PostParams::default(), &replay("p", &env.ns))
+        .await
+        .unwrap();
+    // Merge patch (RFC 7386): set, then null removes.
+    let m = api
+        .patch(
+            "p",
+            &pp(),
+            &merge(json!({"metadata": {"labels": {"a": "1", "b": "2"}}})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(m.labels().get("a").map(String::as_str), Some("1"));
+    let m = api
+        .patch(
+            "p",
+            &pp(),
+            &merge(json!({"metadata": {"labels": {"a": null}}})),
+        )
+        .await
+        .unwrap();
+    assert!(!m.labels().contains_key("a"));
+    assert_eq!(m.labels().get("b").map(String::as_str), Some("2"));
+    // JSON patch (RFC 6902) with a passing test op.
+    let jp: json_patch::Patch = serde_json::from_value(json!([
+        {"op": "test", "path": "/spec/source/queue", "value": "p-dlq"},
+        {"op": "replace", "path": "/spec/source/queue", "value": "p-dlq-2"},
+        {"op": "add", "path": "/metadata/annotations", "value": {"k": "v"}},
+    ]))
+    .unwrap();
+    let j = api.patch("p", &pp(), &Patch::Json::<()>(jp)).await.unwrap();
+    assert_eq!(j.spec.source.queue, "p-dlq-2");
+    assert_eq!(j.annotations().get("k").map(String::as_str), Some("v"));
+    // Merge patch with a stale resourceVersion conflicts.
+    let e = api
+        .patch(
+            "p",
+            &pp(),
+            &merge(json!({"metadata": {"resourceVersion": "1", "labels": {"c": "3"}}})),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(api_code(&e).0, 409, "{e:?}");
+    // Server-side apply: the given fields change, the rest stay.
+    let ap = api
+        .patch(
+            "p",
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(json!({
+                "apiVersion": "replay.dlq.dev/v1alpha1",
+                "kind": "DlqReplay",
+                "metadata": {"name": "p", "labels": {"applied": "yes"}},
+                "spec": {"suspend": true},
+            })),
+        )
+        .await
+        .unwrap();
+    assert_eq!(ap.labels().get("applied").map(String::as_str), Some("yes"));
+    assert!(ap.spec.suspend);
+    assert_eq!(ap.spec.source.queue, "p-dlq-2");
+    // Apply creates an absent object.
+    let fresh = serde_json::to_value(replay("p-new", &env.ns)).unwrap();
+    let created = api
+        .patch(
+            "p-new",
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(fresh),
+        )
+        .await
+        .unwrap();
+    assert_eq!(created.spec.source.queue, "p-new-dlq");
+    assert_eq!(generation(&created), 1);
+    // Apply to /status.
+    let st = api
+        .patch_status(
+            "p",
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(json!({
+                "apiVersion": "replay.dlq.dev/v1alpha1",
+                "kind": "DlqReplay",
+                "metadata": {"name": "p"},
+                "status": {"phase": "Pending"},
+            })),
+        )
+        .await
+        .unwrap();
+    assert_eq!(st.status.unwrap().phase, Some(Phase::Pending));
+    // Strategic merge on a built-in resource (Secret).
+    let s: Secret =
+        serde_json::from_value(json!({"metadata": {"name": "p-s"}, "stringData": {"a": "1"}}))
+            .unwrap();
+    env.secrets()
+        .create(&PostParams::default(), &s)
+        .await
+        .unwrap();
+    let s = env
+        .secrets()
+        .patch(
+            "p-s",
+            &pp(),
+            &Patch::Strategic(json!({"stringData": {"b": "2"}})),
+        )
+        .await
+        .unwrap();
+    let data = s.data.unwrap();
+    assert_eq!(data["a"].0, b"1");
+    assert_eq!(data["b"].0, b"2");
+}
+
+async fn errors_are_statuses(env: &Env) {
+    let api = env.replays();
+    let e = api.get("missing").await.unwrap_err();
+    assert_eq!(api_code(&e), (404, "NotFound".into()));
+    assert!(api.get_opt("missing").await.unwrap().is_none());
+    let e = api
+        .patch("missing", &pp(), &merge(json!({"spec": {"suspend": true}})))
+        .await
+        .unwrap_err();
+    assert_eq!(api_code(&e).0, 404);
+    let e = api
+        .delete("missing", &DeleteParams::default())
+        .await
+        .unwrap_err();
+    assert_eq!(api_code(&e).0, 404);
+    let created = api
+        .create(&PostParams::default(), &replay("dup", &env.ns))
+        .await
+        .unwrap();
+    let e = api
+        .create(&PostParams::default(), &replay("dup", &env.ns))
+        .await
+        .unwrap_err();
+    assert_eq!(api_code(&e), (409, "AlreadyExists".into()));
+    // Optimistic concurrency on replace.
+    let mut first = created.clone();
+    first.spec.suspend = true;
+    let updated = api
+        .replace("dup", &PostParams::default(), &first)
+        .await
+        .unwrap();
+    let mut stale = created.clone();
+    stale.spec.dry_run = true;
+    let e = api
+        .replace("dup", &PostParams::default(), &stale)
+        .await
+        .unwrap_err();
+    assert_eq!(api_code(&e), (409, "Conflict".into()));
+    let mut current = updated.clone();
+    current.spec.dry_run = true;
+    let ok = api
+        .replace("dup", &PostParams::default(), &current)
+        .await
+        .unwrap();
+    assert!(ok.spec.dry_run && ok.spec.suspend);
+    // A delete without finalizers removes the object.
+    api.delete("dup", &DeleteParams::default()).await.unwrap();
+    let gone = eventually(Duration::from_secs(20), || async {
+        api.get_opt("dup").await.unwrap().is_none().then_some(())
+    })
+    .await;
+    assert!(gone.is_some());
+}
+
+async fn secrets_and_leases(env: &Env) {
+    let secrets = env.secrets();
+    let s: Secret = serde_json::from_value(json!({
+        "metadata": {"name": "creds", "labels": {"app": "dlq"}},
+        "stringData": {"url": "amqp://u:p@h:5672/%2f"},
+    }))
+    .unwrap();
+    secrets.create(&PostParams::default(), &s).await.unwrap();
+    let got = secrets.get("creds").await.unwrap();
+    assert_eq!(
+        got.data.as_ref().unwrap()["url"].0,
+        b"amqp://u:p@h:5672/%2f"
+    );
+    assert!(got.string_data.is_none(), "stringData is folded into data");
+    let listed = secrets
+        .list(&ListParams::default().labels("app=dlq"))
+        .await
+        .unwrap();
+    assert_eq!(
+        listed
+            .items
+            .iter()
+            .map(|s| s.name_any())
+            .collect::<Vec<_>>(),
+        ["creds"]
+    );
+    let none = secrets
+        .list(&ListParams::default().labels("app=other"))
+        .await
+        .unwrap();
+    assert!(none.items.is_empty());
+
+    let leases = env.leases();
+    let lease: Lease = serde_json::from_value(json!({
+        "metadata": {"name": "leader"},
+        "spec": {"holderIdentity": "a", "leaseDurationSeconds": 15},
+    }))
+    .unwrap();
+    let l1 = leases.create(&PostParams::default(), &lease).await.unwrap();
+    let mut take = l1.clone();
+    take.spec.as_mut().unwrap().holder_identity = Some("b".into());
+    let l2 = leases
+        .replace("leader", &PostParams::default(), &take)
+        .await
+        .unwrap();
+    assert_eq!(
+        l2.spec.as_ref().unwrap().holder_identity.as_deref(),
+        Some("b")
+    );
+    let mut late = l1.clone();
+    late.spec.as_mut().unwrap().holder_identity = Some("c".into());
+    let e = leases
+        .replace("leader", &PostParams::default(), &late)
+        .await
+        .unwrap_err();
+    assert_eq!(api_code(&e).0, 409, "a stale lease update must conflict");
+}
+
+async fn server_side_apply_conflicts(env: &Env) {
+    let leases = env.leases();
+    let lease: Lease =
+        serde_json::from_value(json!({"metadata": {"name": "ssa"}, "spec": {}})).unwrap();
+    leases.create(&PostParams::default(), &lease).await.unwrap();
+    let holder = |who: &str| {
+        Patch::Apply(json!({
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {"name": "ssa"},
+            "spec": {"holderIdentity": who, "leaseDurationSeconds": 15},
+        }))
+    };
+    let a = leases
+        .patch("ssa", &PatchParams::apply("manager-a"), &holder("a"))
+        .await
+        .unwrap();
+    assert_eq!(a.spec.unwrap().holder_identity.as_deref(), Some("a"));
+    // Another manager setting a field owned by manager-a to another value conflicts.
+    let e = leases
+        .patch("ssa", &PatchParams::apply("manager-b"), &holder("b"))
+        .await
+        .unwrap_err();
+    assert_eq!(api_code(&e), (409, "Conflict".into()), "{e:?}");
+    let now = leases.get("ssa").await.unwrap();
+    assert_eq!(now.spec.unwrap().holder_identity.as_deref(), Some("a"));
+    // The same manager may change its own fields; forcing takes the fields over.
+    leases
+        .patch("ssa", &PatchParams::apply("manager-a"), &holder("a2"))
+        .await
+        .unwrap();
+    let b = leases
+        .patch(
+            "ssa",
+            &PatchParams::apply("manager-b").force(),
+            &holder("b"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(b.spec.unwrap().holder_identity.as_deref(), Some("b"));
+    let e = leases
+        .patch("ssa", &PatchParams::apply("manager-a"), &holder("a3"))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        api_code(&e).0,
+        409,
+        "manager-a lost the field to the forced apply"
+    );
+    // Merge patches never conflict.
+    let m = leases
+        .patch(
+            "ssa",
+            &PatchParams::default(),
+            &merge(json!({"spec": {"holderIdentity": null}})),
+        )
+        .await
+        .unwrap();
+    assert!(m.spec.unwrap().holder_identity.is_none());
+    // Once the field is gone, anyone may apply it.
+    leases
+        .patch("ssa", &PatchParams::apply("manager-a"), &holder("a4"))
+        .await
+        .unwrap();
+}
+
+async fn cluster_wide_list_and_watch(env: &Env) {
+    let ns_api = env.replays();
+    let all: Api<DlqReplay> = Api::all(env.client.clone());
+    let a = ns_api
+        .create(&PostParams::default(), &replay("cw", &env.ns))
+        .await
+        .unwrap();
+    let list = all.list(&ListParams::default()).await.unwrap();
+    assert!(list
+        .items
+        .iter()
+        .any(|r| r.name_any() == "cw" && r.namespace().as_deref() == Some(env.ns.as_str())));
+    let from = a.resource_version().unwrap();
+    let wp = WatchParams::default()
+        .fields(&format!("metadata.namespace={}", env.ns))
+        .timeout(20);
+    let mut stream = all.watch(&wp, &from).await.unwrap().boxed();
+    ns_api
+        .patch(
+            "cw",
+            &pp(),
+            &merge(json!({"metadata": {"labels": {"w": "1"}}})),
+        )
+        .await
+        .unwrap();
+    let events = take_events(&mut stream, 1, Duration::from_secs(15)).await;
+    assert_eq!(
+        events
+            .iter()
+            .map(summarize)
+            .map(|(t, n, _)| (t, n))
+            .collect::<Vec<_>>(),
+        vec![("MODIFIED".to_string(), "cw".to_string())]
+    );
+}
+
+async fn events_in_both_groups(env: &Env) {
+    let api = env.replays();
+    let r = api
+        .create(&PostParams::default(), &replay("ev", &env.ns))
+        .await
+        .unwrap();
+    let reference: ObjectReference = r.object_ref(&());
+    let recorder =
+        kube::runtime::events::Recorder::new(env.client.clone(), "dlq-replay-conformance".into());
+    recorder
+        .publish(
+            &kube::runtime::events::Event {
+                type_: kube::runtime::events::EventType::Normal,
+                reason: "Started".into(),
+                note: Some("replay started".into()),
+                action: "Replay".into(),
+                secondary: None,
+            },
+            &reference,
+        )
+        .await
+        .expect("publish events.k8s.io/v1 event");
+    let core: k8s_openapi::api::core::v1::Event = serde_json::from_value(json!({
+        "metadata": {"name": "ev.core"},
+        "involvedObject": serde_json::to_value(&reference).unwrap(),
+        "reason": "Legacy",
+        "message": "core v1 event",
+        "type": "Normal",
+        "source": {"component": "dlq-replay-conformance"},
+    }))
+    .unwrap();
+    Api::<k8s_openapi::api::core::v1::Event>::namespaced(env.client.clone(), &env.ns)
+        .create(&PostParams::default(), &core)
+        .await
+        .expect("create core v1 event");
+    let new_events =
+        Api::<k8s_openapi::api::events::v1::Event>::namespaced(env.client.clone(), &env.ns)
+            .list(&ListParams::default())
+            .await
+            .unwrap();
+    assert!(
+        new_events
+            .items
+            .iter()
+            .any(|e| e.reason.as_deref() == Some("Started")),
+        "events.k8s.io/v1 event listed"
+    );
+    if let Some(fake) = &env.fake {
+        let events = fake.events();
+        let reasons: Vec<&str> = events.iter().filter_map(|e| e["reason"].as_str()).collect();
+        assert_eq!(reasons, ["Started", "Legacy"], "{events:#?}");
+        assert_eq!(events[0]["apiVersion"], "events.k8s.io/v1");
+        assert_eq!(events[1]["apiVersion"], "v1");
+        assert_eq!(events[0]["regarding"]["name"], "ev");
+        assert_eq!(events[1]["involvedObject"]["name"], "ev");
+    }
+}
+
+macro_rules! conformance {
+    ($($name:ident),* $(,)?) => {
+        /// The checks against the in-process fake.
+        mod fake {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    let env = super::Env::fake().await;
+                    super::$name(&env).await;
+                }
+            )*
+        }
+
+        /// The same checks against a real cluster (E2E=1 and KUBECONFIG), else SKIPPED.
+        mod e2e {
+            use futures::FutureExt as _;
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    let Some(env) = super::Env::real(stringify!($name)).await else {
+                        return;
+                    };
+                    let result = super::AssertUnwindSafe(super::$name(&env)).catch_unwind().await;
+                    env.cleanup().await;
+                    if let Err(panic) = result {
+                        std::panic::resume_unwind(panic);
+                    }
+                }
+            )*
+        }
+    };
+}
+
+conformance!(
+    resource_version_grows,
+    generation_bumps_only_on_spec_changes,
+    status_and_spec_are_separate,
+    finalizers_hold_deletion,
+    watch_replays_later_changes_in_order,
+    expired_watch_relists,
+    patches_of_every_kind,
+    errors_are_statuses,
+    secrets_and_leases,
+    server_side_apply_conflicts,
+    cluster_wide_list_and_watch,
+    events_in_both_groups,
+);
+
+// ---------------------------------------------------------------- the fake's own helpers
+
+mod fake_only {
+    use super::*;
+
+    #[tokio::test]
+    async fn put_secret_is_visible_to_get_and_watch() {
+        let fake = FakeApi::start().await;
+        let secrets: Api<Secret> = Api::namespaced(fake.client(), "ops");
+        let list = secrets.list(&ListParams::default()).await.unwrap();
+        let from = list.metadata.resource_version.unwrap();
+        let mut stream = secrets
+            .watch(&WatchParams::default().timeout(10), &from)
+            .await
+            .unwrap()
+            .boxed();
+        fake.put_secret("ops", "amqp", &[("url", "amqp://x"), ("user", "guest")]);
+        let s = secrets.get("amqp").await.unwrap();
+        let data = s.data.unwrap();
+        assert_eq!(data["url"].0, b"amqp://x");
+        assert_eq!(data["user"].0, b"guest");
+        let raw = fake.get_json("secrets", "ops", "amqp").unwrap();
+        assert_eq!(raw["data"]["url"], "YW1xcDovL3g=");
+        match tokio::time::timeout(Duration::from_secs(5), stream.try_next()).await {
+            Ok(Ok(Some(WatchEvent::Added(s)))) => assert_eq!(s.name_any(), "amqp"),
+            other => panic!("expected ADDED amqp, got {other:?}"),
+        }
+        // A second put replaces the data and is a MODIFIED.
+        fake.put_secret("ops", "amqp", &[("url", "amqp://y")]);
+        match tokio::time::timeout(Duration::from_secs(5), stream.try_next()).await {
+            Ok(Ok(Some(WatchEvent::Modified(s)))) => {
+                let data = s.data.unwrap();
+                assert_eq!(data["url"].0, b"amqp://y");
+                assert!(!data.contains_key("user"));
+            }
+            other => panic!("expected MODIFIED amqp, got {other:?}"),
+        }
+        // Default namespace of the client is "default".
+        fake.put_secret("default", "d", &[("k", "v")]);
+        let d: Api<Secret> = Api::default_namespaced(fake.client());
+        assert!(d.get_opt("d").await.unwrap().is_some());
+    }
+
+    #[tokio::test]
+    async fn status_writes_are_counted() {
+        let fake = FakeApi::start().await;
+        let api: Api<DlqReplay> = Api::namespaced(fake.client(), "ops");
+        api.create(&PostParams::default(), &replay("sw", "ops"))
+            .await
+            .unwrap();
+        assert_eq!(fake.status_writes("ops", "sw"), 0);
+        let st = json!({"status": {"phase": "Pending"}});
+        api.patch_status("sw", &pp(), &merge(st.clone()))
+            .await
+            .unwrap();
+        api.patch_status("sw", &pp(), &merge(st)).await.unwrap();
+        api.patch("sw", &pp(), &merge(json!({"spec": {"suspend": true}})))
+            .await
+            .unwrap();
+        assert_eq!(
+            fake.status_writes("ops", "sw"),
+            2,
+            "spec writes are not status writes"
+        );
+        let raw = fake.get_json("dlqreplays", "ops", "sw").unwrap();
+        assert_eq!(raw["status"]["phase"], "Pending");
+        assert_eq!(raw["metadata"]["generation"], 2);
+        assert!(fake.get_json("dlqreplays", "ops", "nope").is_none());
+    }
+
+    #[tokio::test]
+    async fn expired_watch_answers_410_error_event() {
+        let fake = FakeApi::start().await;
+        let api: Api<DlqReplay> = Api::namespaced(fake.client(), "ops");
+        let a = api
+            .create(&PostParams::default(), &replay("x", "ops"))
+            .await
+            .unwrap();
+        fake.expire_watches();
+        let mut s = api
+            .watch(&WatchParams::default(), &a.resource_version().unwrap())
+            .await
+            .unwrap()
+            .boxed();
+        match s.try_next().await {
+            Ok(Some(WatchEvent::Error(st))) => {
+                assert_eq!(st.code, 410);
+                assert_eq!(st.reason, "Expired");
+            }
+            other => panic!("expected an ERROR 410 event, got {other:?}"),
+        }
+        assert!(
+            s.try_next().await.unwrap().is_none(),
+            "the stream ends after the 410"
+        );
+        // From the current version it is fine.
+        let now = api.list(&ListParams::default()).await.unwrap();
+        let mut s = api
+            .watch(
+                &WatchParams::default().timeout(5),
+                &now.metadata.resource_version.unwrap(),
+            )
+            .await
+            .unwrap()
+            .boxed();
+        api.patch(
+            "x",
+            &pp(),
+            &merge(json!({"metadata": {"labels": {"a": "b"}}})),
+        )
+        .await
+        .unwrap();
+        assert!(matches!(
+            s.try_next().await,
+            Ok(Some(WatchEvent::Modified(_)))
+        ));
+    }
+
+    #[tokio::test]
+    async fn watch_timeout_ends_the_stream() {
+        let fake = FakeApi::start().await;
+        let api: Api<DlqReplay> = Api::namespaced(fake.client(), "ops");
+        let started = std::time::Instant::now();
+        let mut s = api
+            .watch(&WatchParams::default().timeout(1), "0")
+            .await
+            .unwrap()
+            .boxed();
+        let end = tokio::time::timeout(Duration::from_secs(5), s.try_next()).await;
+        assert!(matches!(end, Ok(Ok(None))), "{end:?}");
+        assert!(started.elapsed() >= Duration::from_millis(900));
+    }
+
+    #[tokio::test]
+    async fn streaming_list_watcher_works() {
+        let fake = FakeApi::start().await;
+        let api: Api<DlqReplay> = Api::namespaced(fake.client(), "ops");
+        api.create(&PostParams::default(), &replay("s1", "ops"))
+            .await
+            .unwrap();
+        let mut w = watcher(api.clone(), watcher::Config::default().streaming_lists()).boxed();
+        let mut initial = Vec::new();
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while let Some(ev) = w.next().await {
+                match ev.unwrap() {
+                    watcher::Event::InitApply(o) => initial.push(o.name_any()),
+                    watcher::Event::InitDone => break,
+                    _ => {}
+                }
+            }
+        })
+        .await
+        .expect("initial events");
+        assert_eq!(initial, ["s1"]);
+        api.create(&PostParams::default(), &replay("s2", "ops"))
+            .await
+            .unwrap();
+        let next = tokio::time::timeout(Duration::from_secs(5), w.next()).await;
+        assert!(
+            matches!(&next, Ok(Some(Ok(watcher::Event::Apply(o)))) if o.name_any() == "s2"),
+            "{next:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn delete_of_custom_resource_answers_status_and_watch_sees_deleted() {
+        let fake = FakeApi::start().await;
+        let api: Api<DlqReplay> = Api::namespaced(fake.client(), "ops");
+        let a = api
+            .create(&PostParams::default(), &replay("d", "ops"))
+            .await
+            .unwrap();
+        let mut s = api
+            .watch(
+                &WatchParams::default().timeout(5),
+                &a.resource_version().unwrap(),
+            )
+            .await
+            .unwrap()
+            .boxed();
+        let res = api.delete("d", &DeleteParams::default()).await.unwrap();
+        assert!(
+            res.is_right(),
+            "a Status for an immediate delete of a custom resource"
+        );
+        match s.try_next().await {
+            Ok(Some(WatchEvent::Deleted(o))) => assert!(rv(&o) > rv(&a)),
+            other => panic!("expected DELETED, got {other:?}"),
+        }
+        assert!(fake.get_json("dlqreplays", "ops", "d").is_none());
+        // Strategic merge patches are refused for custom resources, as by the real server.
+        api.create(&PostParams::default(), &replay("d", "ops"))
+            .await
+            .unwrap();
+        let e = api
+            .patch(
+                "d",
+                &pp(),
+                &Patch::Strategic(json!({"spec": {"suspend": true}})),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(api_code(&e).0, 415, "{e:?}");
+    }
+}
