@@ -3,7 +3,7 @@ export AMQP_URL ?= amqp://guest:guest@127.0.0.1:5672/%2f
 export REDIS_URL ?= redis://127.0.0.1:6379/
 CARGO ?= cargo
 
-.PHONY: demo test lint services crd bench
+.PHONY: demo test lint services crd bench e2e
 
 demo: services
 	$(CARGO) build --release --quiet
@@ -13,6 +13,11 @@ demo: services
 
 test: services
 	$(CARGO) test --all-targets -- --test-threads 4
+
+# The conformance suite against a real cluster (E2E=1 and KUBECONFIG set; skipped, and said so,
+# otherwise).
+e2e:
+	E2E=1 $(CARGO) test --test fake_api -- e2e --nocapture
 
 lint:
 	$(CARGO) fmt --check

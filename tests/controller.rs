@@ -398,3 +398,162 @@ async fn a_canary_that_dies_again_ends_canary_failed() {
         .any(|e| e["reason"] == "CanaryFailed" && e["type"] == "Warning"));
     w.cleanup().await;
 }
+
+#[tokio::test]
+async fn with_two_replicas_only_the_leader_drives_replays() {
+    let w = World::new("ctl-leader").await;
+    w.dead_letter((0..30).map(|i| job(&format!("l{i}"), json!({}))).collect())
+        .await;
+    let fake = FakeApi::start().await;
+    secrets(&fake);
+    let replicas: Vec<_> = ["op-a", "op-b"]
+        .iter()
+        .map(|id| {
+            let settings = Settings {
+                instance: id.to_string(),
+                status_interval: Duration::from_millis(500),
+                ..Settings::default()
+            };
+            let client = fake.client();
+            tokio::spawn(async move {
+                let metrics = dlq_replay::metrics::Metrics::global();
+                let _ =
+                    controller::run_with_leader_election(client, settings, "dlq-replay", metrics)
+                        .await;
+            })
+        })
+        .collect();
+    let api: Api<DlqReplay> = Api::namespaced(fake.client(), NS);
+    let extra = format!(
+        "{}  rate: {{messagesPerSecond: 30}}\n",
+        w.idempotency("Claim")
+    );
+    api.create(&PostParams::default(), &resource(&w, "lead", &extra))
+        .await
+        .unwrap();
+    let r = wait_for(&api, "lead", "Done", |r| phase(r) == Some(Phase::Done)).await;
+    assert_eq!(r.status.unwrap().counts.replayed, 30);
+    let target = w.take(&w.topo.work).await;
+    assert_eq!(target.len(), 30, "published by both replicas?");
+    let lease = fake
+        .get_json("leases", "dlq-replay", "dlq-replay-leader")
+        .expect("a Lease");
+    let holder = lease["spec"]["holderIdentity"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let instances: std::collections::BTreeSet<String> = fake
+        .events()
+        .iter()
+        .filter_map(|e| e["reportingInstance"].as_str().map(String::from))
+        .collect();
+    assert_eq!(
+        instances,
+        [holder].into_iter().collect(),
+        "events from a replica that does not lead"
+    );
+    for r in replicas {
+        r.abort();
+    }
+    w.cleanup().await;
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    s.lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+async fn http_get(port: u16, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
+        return String::new();
+    };
+    let _ = s
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
+        .await;
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out).await;
+    out
+}
+
+#[tokio::test]
+async fn the_operator_binary_drives_a_replay_from_a_kubeconfig_and_serves_metrics() {
+    let w = World::new("ctl-binary").await;
+    w.dead_letter((0..200).map(|i| job(&format!("o{i}"), json!({}))).collect())
+        .await;
+    let fake = FakeApi::start().await;
+    secrets(&fake);
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters: [{{name: fake, cluster: {{server: \"{}\"}}}}]\nusers: [{{name: fake, user: {{}}}}]\ncontexts: [{{name: fake, context: {{cluster: fake, user: fake, namespace: default}}}}]\ncurrent-context: fake\n",
+            fake.url()
+        ),
+    )
+    .unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_dlq-replay"))
+        .args([
+            "operator",
+            "--namespace",
+            NS,
+            "--http-addr",
+            &format!("127.0.0.1:{port}"),
+            "--lease-namespace",
+            NS,
+        ])
+        .env("KUBECONFIG", &kubeconfig)
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let pid = child.id().unwrap();
+    let t = Instant::now();
+    while !http_get(port, "/readyz").await.contains("200 OK") {
+        assert!(t.elapsed() < Duration::from_secs(20), "never ready");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let idle = rss_kib(pid);
+    let api: Api<DlqReplay> = Api::namespaced(fake.client(), NS);
+    api.create(
+        &PostParams::default(),
+        &resource(&w, "bin", "  rate: {messagesPerSecond: 100}\n"),
+    )
+    .await
+    .unwrap();
+    let mut draining = 0;
+    loop {
+        let r = api.get("bin").await.unwrap();
+        match phase(&r) {
+            Some(Phase::Done) => break,
+            Some(Phase::Draining) => draining = draining.max(rss_kib(pid)),
+            _ => {}
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(40),
+            "no Done: {:?}",
+            r.status
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!("operator RSS: idle {idle} KiB, draining (peak seen) {draining} KiB");
+    let metrics = http_get(port, "/metrics").await;
+    assert!(
+        metrics.contains("dlq_replay_messages_total{decision=\"replayed\"} 200"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("dlq_replay_leader 1"), "{metrics}");
+    assert_eq!(w.take(&w.topo.work).await.len(), 200);
+    let _ = child.kill().await;
+    w.cleanup().await;
+}
