@@ -342,3 +342,65 @@ async fn too_much_poison_stops_before_draining() {
     assert_eq!(w.depth(&w.topo.dlq).await, 6);
     w.cleanup().await;
 }
+
+#[tokio::test]
+async fn returns_while_draining_above_the_ratio_stop_the_replay() {
+    let w = World::new("canary-returns").await;
+    w.dead_letter(
+        (0..60)
+            .map(|i| typed(&format!("r{i:02}"), "TimeoutError"))
+            .collect(),
+    )
+    .await;
+    // The canary (r00) goes through; then half the jobs die again: the fix covers only some.
+    let ch = w.conn.create_channel().await.unwrap();
+    let mut consumer = ch
+        .basic_consume(
+            w.topo.work.as_str().into(),
+            "half-broken".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    tokio::spawn(async move {
+        while let Some(Ok(d)) = consumer.next().await {
+            let id = d
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|m| m.to_string())
+                .unwrap_or_default();
+            let odd = id.trim_start_matches('r').parse::<u32>().unwrap_or(0) % 2 == 1;
+            if odd {
+                d.reject(BasicRejectOptions { requeue: false })
+                    .await
+                    .unwrap();
+            } else {
+                d.ack(BasicAckOptions::default()).await.unwrap();
+            }
+        }
+    });
+    let spec = format!(
+        "{}  rate: {{messagesPerSecond: 20}}\n",
+        canary_spec(&w, ", maxReturnRatio: 0.2")
+    );
+    let status = run_with(&w, &spec, Options::default()).await;
+    assert_eq!(status.phase, Some(Phase::Failed), "{status:?}");
+    let msg = status.message.clone().unwrap();
+    assert!(
+        msg.starts_with("TooManyReturns") && msg.contains("rejected"),
+        "{msg}"
+    );
+    let c = status.counts;
+    assert!(c.returned as f64 > 0.2 * c.replayed as f64, "{c:?}");
+    assert!(c.replayed < 60, "it did not stop: {c:?}");
+    // Nothing lost: what was not replayed is still in the DLQ, with the returns behind it.
+    let dlq = w.peek(&w.topo.dlq).await;
+    let returned = dlq
+        .iter()
+        .filter(|m| header(m, "x-replay-id").is_some())
+        .count() as u64;
+    assert_eq!(dlq.len() as u64 - returned, 60 - c.replayed, "{c:?}");
+    w.cleanup().await;
+}

@@ -336,6 +336,55 @@ async fn baselines(
     Ok(out)
 }
 
+/// A message this replay published that came back with a fresh death.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Returned {
+    /// Its identity (message id or body hash).
+    pub identity: String,
+    /// Its fingerprint (message id and body).
+    pub fingerprint: String,
+    /// The new death, e.g. `died again: rejected in media.work, x-exception-type=KeyError`.
+    pub reason: String,
+}
+
+/// Look through a queue without taking anything (every message goes back in place when the
+/// channel closes) for messages of this replay carrying a death. Returns the queue's length and
+/// what came back.
+pub async fn find_returns(
+    conn: &Connection,
+    queue: &str,
+    replay_id: &str,
+    sig_header: &str,
+) -> Result<(u32, Vec<Returned>), Error> {
+    let ch = conn.create_channel().await?;
+    let mut n = 0u32;
+    let mut out = Vec::new();
+    while let Some(m) = ch
+        .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+        .await?
+    {
+        n += 1;
+        let p = &m.delivery.properties;
+        if message::header_text(p, REPLAY_ID).as_deref() != Some(replay_id) {
+            continue;
+        }
+        let Some(death) = message::deaths(p).into_iter().next() else {
+            continue;
+        };
+        let mut reason = format!("died again: {} in {}", death.reason, death.queue);
+        if let Some(v) = message::header_text(p, sig_header) {
+            reason.push_str(&format!(", {sig_header}={v}"));
+        }
+        out.push(Returned {
+            identity: message::identity(p, &m.delivery.data),
+            fingerprint: message::fingerprint(p, &m.delivery.data),
+            reason,
+        });
+    }
+    ch.close(200, "looked".into()).await?;
+    Ok((n, out))
+}
+
 impl Watch {
     /// Whether every canary has a result.
     pub fn settled(&self) -> bool {
@@ -407,30 +456,13 @@ impl Watch {
         replay_id: &str,
         sig_header: &str,
     ) -> Result<(), Error> {
-        let ch = conn.create_channel().await?;
-        let mut n = 0u32;
-        while let Some(m) = ch
-            .basic_get(queue.into(), BasicGetOptions { no_ack: false })
-            .await?
-        {
-            n += 1;
-            let p = &m.delivery.properties;
-            let ours = message::header_text(p, REPLAY_ID).as_deref() == Some(replay_id);
-            let died = message::deaths(p).into_iter().next();
-            if let (true, Some(death)) = (ours, died) {
-                let id = message::identity(p, &m.delivery.data);
-                if let Some(i) = self.identities.iter().position(|x| *x == id) {
-                    let c = &mut self.canaries[i];
-                    c.result = CanaryResult::DiedAgain;
-                    let mut why = format!("died again: {} in {}", death.reason, death.queue);
-                    if let Some(v) = message::header_text(p, sig_header) {
-                        why.push_str(&format!(", {sig_header}={v}"));
-                    }
-                    c.reason = Some(why);
-                }
+        let (n, returns) = find_returns(conn, queue, replay_id, sig_header).await?;
+        for r in returns {
+            if let Some(i) = self.identities.iter().position(|x| *x == r.identity) {
+                self.canaries[i].result = CanaryResult::DiedAgain;
+                self.canaries[i].reason = Some(r.reason);
             }
         }
-        ch.close(200, "looked".into()).await?;
         self.baselines.insert(queue.to_string(), n);
         Ok(())
     }

@@ -60,6 +60,8 @@ pub struct Options {
     pub recheck: Duration,
     /// How often the canary watch looks for returns.
     pub look: Duration,
+    /// How often a draining replay looks for its own messages coming back.
+    pub return_check: Duration,
 }
 
 impl Default for Options {
@@ -71,6 +73,7 @@ impl Default for Options {
             pending_timeout: None,
             recheck: Duration::from_secs(5),
             look: Duration::from_millis(250),
+            return_check: Duration::from_secs(1),
         }
     }
 }
@@ -408,6 +411,7 @@ struct Item {
 
 enum End {
     Drained,
+    TooManyReturns(u64, String),
     LimitReached,
     Cancelled,
     HoldFull,
@@ -429,6 +433,9 @@ struct Drain<'a> {
     batch: usize,
     /// Signatures whose canary did not pass: their messages stay in the queue.
     held_back: std::collections::HashSet<String>,
+    /// Messages of this replay that came back (by fingerprint) behind the pass's bound.
+    returns_behind: std::collections::HashSet<String>,
+    last_return_check: Option<tokio::time::Instant>,
 }
 
 impl<'a> Drain<'a> {
@@ -458,6 +465,8 @@ impl<'a> Drain<'a> {
             seen: 0,
             batch,
             held_back: Default::default(),
+            returns_behind: Default::default(),
+            last_return_check: None,
         }
     }
 
@@ -506,8 +515,64 @@ impl<'a> Drain<'a> {
                 Ok(false) => return End::HoldFull,
                 Err(e) => return End::Error(e),
             }
+            match self.check_returns(opts).await {
+                Ok(Some(end)) => return end,
+                Ok(None) => {}
+                Err(e) => return End::Error(e),
+            }
             self.report(progress);
         }
+    }
+
+    /// While draining, watch for replayed messages that die again. They land behind the pass's
+    /// bound, so the consumer never sees them: when the queue holds more than the pass has
+    /// left (something arrived), look through it, without taking anything, for this replay's
+    /// returns. Above `canary.maxReturnRatio` of the replayed, stop.
+    async fn check_returns(&mut self, opts: &Options) -> Result<Option<End>, Error> {
+        let spec = &self.replay.spec;
+        if !spec.canary.enabled {
+            return Ok(None);
+        }
+        let due = self
+            .last_return_check
+            .is_none_or(|t| t.elapsed() >= opts.return_check);
+        if !due {
+            return Ok(None);
+        }
+        self.last_return_check = Some(tokio::time::Instant::now());
+        let conn = self.publisher.connection();
+        let ready = source::queue_state(conn, &spec.source.queue)
+            .await?
+            .map_or(0, |s| s.0);
+        let left = self.bound.saturating_sub(self.seen);
+        if u64::from(ready) <= left + self.returns_behind.len() as u64 {
+            return Ok(None);
+        }
+        let (_, found) = canary::find_returns(
+            conn,
+            &spec.source.queue,
+            &self.replay_id,
+            &spec.canary.signature_header,
+        )
+        .await?;
+        let before = self.returns_behind.len();
+        let mut last_reason = String::new();
+        for r in found {
+            if self.returns_behind.insert(r.fingerprint) {
+                last_reason = r.reason;
+            }
+        }
+        let new = (self.returns_behind.len() - before) as u64;
+        self.status.counts.returned += new;
+        let replayed = self.status.counts.replayed.max(1);
+        let ratio = self.status.counts.returned as f64 / replayed as f64;
+        if new > 0 && ratio > spec.canary.max_return_ratio {
+            return Ok(Some(End::TooManyReturns(
+                self.status.counts.returned,
+                last_reason,
+            )));
+        }
+        Ok(None)
     }
 
     fn is_held_back(&self, props: &lapin::BasicProperties) -> bool {
@@ -880,6 +945,13 @@ impl<'a> Drain<'a> {
             End::HoldFull => (
                 Phase::Done,
                 format!("stopped after holding {} messages in place (the AMQP prefetch maximum); the rest were not looked at; {summary}", u16::MAX),
+            ),
+            End::TooManyReturns(n, why) => (
+                Phase::Failed,
+                format!(
+                    "TooManyReturns: {n} replayed messages came back (last: {why}), more than canary.maxReturnRatio {} of the replayed; stopped, the rest is still in the dead-letter queue; {summary}",
+                    self.replay.spec.canary.max_return_ratio
+                ),
             ),
             End::Cancelled => (Phase::Suspended, format!("stopped; run it again to resume; {summary}")),
             End::Error(e) => (Phase::Failed, format!("{e}; unsettled messages are still in the dead-letter queue; run it again to resume")),
