@@ -291,13 +291,16 @@ async fn canary_phase(
         a.records = watch.records;
     }
     status.phase = Some(Phase::Canary);
+    // HH:MM:SS is what a person watching the progress bar compares with a clock.
     let until = watch
         .canaries
         .first()
-        .and_then(|c| c.wait_until.clone())
+        .and_then(|c| c.wait_until.as_deref())
+        .and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
+        .map(|t| t.format("%H:%M:%S UTC").to_string())
         .unwrap_or_default();
     status.message = Some(format!(
-        "{} canary out, waiting until {until}",
+        "{} canaries out, waiting until {until}",
         watch.canaries.len()
     ));
     status.canary = watch.canaries.clone();
