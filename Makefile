@@ -14,14 +14,22 @@ demo: services
 test: services
 	$(CARGO) test --all-targets -- --test-threads 4
 
-# The conformance suite against a real cluster (E2E=1 and KUBECONFIG set; skipped, and said so,
-# otherwise).
-e2e:
+# The conformance suite and the controller lifecycles against a real cluster (E2E=1 and KUBECONFIG
+# set; skipped, and said so, otherwise). The controller runs in-process against the local RabbitMQ
+# and Redis.
+e2e: services
 	E2E=1 $(CARGO) test --test fake_api -- e2e --nocapture
+	E2E=1 $(CARGO) test --test controller -- e2e --nocapture
 
 lint:
 	$(CARGO) fmt --check
 	$(CARGO) clippy --all-targets -- -D warnings
+
+# Throughput vs RabbitMQ's Shovel, rate accuracy and memory growth of the release binary
+# (BENCH_N=50000 messages per run, BENCH_REPS=3, BENCH_MEM=0 skips the 100k memory run).
+bench: services
+	$(CARGO) build --release --quiet
+	$(CARGO) run --release --quiet --example bench
 
 crd:
 	$(CARGO) run --quiet -- crd > crds/dlqreplay.yaml

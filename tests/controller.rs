@@ -1,46 +1,58 @@
-//! The real kube-runtime Controller against the in-process fake API server, with the real
-//! RabbitMQ and Redis, through whole lifecycles.
+//! The real kube-runtime Controller, with the real RabbitMQ and Redis, through whole lifecycles.
+//!
+//! Every scenario is written once against [`Cluster`] and runs twice: `fake::NAME` against the
+//! in-process fake API server (`tests/support/fake_api.rs`), and `e2e::NAME` against a real
+//! cluster when `E2E=1` and `KUBECONFIG` are set (a fresh namespace per test, the CRD from
+//! `crds/dlqreplay.yaml` applied first, the namespace deleted after). Without them the `e2e::*`
+//! tests print `SKIPPED: E2E=1 and KUBECONFIG not set` and do nothing else. The operator always
+//! runs in this process (or, for the binary test, as a child of it), against the local RabbitMQ
+//! and Redis, whose URLs the Secrets hold. The fake gets a fresh namespace per test as well, and
+//! on both the engine's Redis state of the test's namespace is deleted after the test.
 
 mod support;
 
+use std::panic::AssertUnwindSafe;
 use std::time::{Duration, Instant};
 
 use dlq_replay::api::{DlqReplay, Phase};
 use dlq_replay::controller::{self, Settings};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::ResourceExt;
-use serde_json::json;
-use support::fake_api::FakeApi;
+use serde_json::{json, Value};
+use support::cluster::Cluster;
 use support::*;
 
-const NS: &str = "replays";
-
-fn resource(w: &World, name: &str, extra: &str) -> DlqReplay {
+fn resource(w: &World, ns: &str, name: &str, extra: &str) -> DlqReplay {
     let text = format!(
-        "apiVersion: replay.dlq.dev/v1alpha1\nkind: DlqReplay\nmetadata: {{name: {name}, namespace: {NS}}}\nspec:\n  broker: {{urlSecretRef: {{name: rabbitmq, key: url}}}}\n  source: {{queue: {dlq}}}\n  quarantine: {{queue: {q}}}\n  audit: {{redis: {{urlSecretRef: {{name: redis, key: url}}}}}}\n  canary: {{enabled: false}}\n{extra}",
+        "apiVersion: replay.dlq.dev/v1alpha1\nkind: DlqReplay\nmetadata: {{name: {name}, namespace: {ns}}}\nspec:\n  broker: {{urlSecretRef: {{name: rabbitmq, key: url}}}}\n  source: {{queue: {dlq}}}\n  quarantine: {{queue: {q}}}\n  audit: {{redis: {{urlSecretRef: {{name: redis, key: url}}}}}}\n  canary: {{enabled: false}}\n{extra}",
         dlq = w.topo.dlq,
         q = w.topo.quarantine,
     );
     dlq_replay::manifest::parse(&text).unwrap_or_else(|e| panic!("{e}"))
 }
 
-fn secrets(api: &FakeApi) {
-    api.put_secret(NS, "rabbitmq", &[("url", AMQP)]);
-    api.put_secret(NS, "redis", &[("url", REDIS)]);
+async fn secrets(c: &Cluster) {
+    c.put_secret(c.ns(), "rabbitmq", &[("url", AMQP)]).await;
+    c.put_secret(c.ns(), "redis", &[("url", REDIS)]).await;
+}
+
+fn replays(c: &Cluster) -> Api<DlqReplay> {
+    Api::namespaced(c.client(), c.ns())
 }
 
 fn operator(
-    api: &FakeApi,
+    c: &Cluster,
 ) -> (
     tokio::task::JoinHandle<()>,
     tokio::sync::oneshot::Sender<()>,
 ) {
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let settings = Settings {
+        namespace: c.watch_namespace(),
         status_interval: Duration::from_millis(500),
         ..Settings::default()
     };
-    let handle = tokio::spawn(controller::run_until(api.client(), settings, async move {
+    let handle = tokio::spawn(controller::run_until(c.client(), settings, async move {
         let _ = stop_rx.await;
     }));
     (handle, stop_tx)
@@ -68,6 +80,26 @@ async fn wait_for(
     }
 }
 
+/// The events of the test's namespace once `f` holds of them, or as they are after 10 s: an event
+/// is published just after the status write that a test waits for.
+async fn events_once(c: &Cluster, f: impl Fn(&[Value]) -> bool) -> Vec<Value> {
+    let t = Instant::now();
+    loop {
+        let events = c.events(c.ns()).await;
+        if f(&events) || t.elapsed() > Duration::from_secs(10) {
+            return events;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn reasons(events: &[Value]) -> Vec<String> {
+    events
+        .iter()
+        .filter_map(|e| e["reason"].as_str().map(String::from))
+        .collect()
+}
+
 fn phase(r: &DlqReplay) -> Option<Phase> {
     r.status.as_ref().and_then(|s| s.phase)
 }
@@ -93,8 +125,7 @@ fn kubectl_get(replays: &[DlqReplay]) -> String {
     out
 }
 
-#[tokio::test]
-async fn apply_runs_the_replay_to_done_with_correct_counts_and_events() {
+async fn apply_runs_the_replay_to_done_with_correct_counts_and_events(c: &Cluster) {
     let w = World::new("ctl-done").await;
     let mut jobs: Vec<_> = (0..30).map(|i| job(&format!("j{i}"), json!({}))).collect();
     let mut bad = job("bad", json!({}));
@@ -102,17 +133,19 @@ async fn apply_runs_the_replay_to_done_with_correct_counts_and_events() {
     jobs.push(bad);
     w.dead_letter(jobs).await;
     w.set(&w.key("j0"), "done").await;
-    let fake = FakeApi::start().await;
-    secrets(&fake);
-    let (_op, _stop) = operator(&fake);
-    let api: Api<DlqReplay> = Api::namespaced(fake.client(), NS);
+    secrets(c).await;
+    let (_op, _stop) = operator(c);
+    let api = replays(c);
     let extra = format!(
         "  poison: {{requiredFields: [/id]}}\n{}  rate: {{messagesPerSecond: 20}}\n",
         w.idempotency("Check")
     );
-    api.create(&PostParams::default(), &resource(&w, "done", &extra))
-        .await
-        .unwrap();
+    api.create(
+        &PostParams::default(),
+        &resource(&w, c.ns(), "done", &extra),
+    )
+    .await
+    .unwrap();
     let r = wait_for(&api, "done", "Done", |r| phase(r) == Some(Phase::Done)).await;
     let s = r.status.clone().unwrap();
     assert_eq!(
@@ -127,18 +160,25 @@ async fn apply_runs_the_replay_to_done_with_correct_counts_and_events() {
         .any(|c| c.type_ == "Ready" && c.status == "True"));
     assert!(r.finalizers().iter().any(|f| f == controller::FINALIZER));
     // 29 replays at 20/s is about 1.5 s: throttled to a write per 0.5 s, not one per message.
-    let writes = fake.status_writes(NS, "done");
-    assert!(writes < 15, "{writes} status writes");
-    let reasons: Vec<String> = fake
-        .events()
-        .iter()
-        .filter_map(|e| e["reason"].as_str().map(String::from))
-        .collect();
+    // (A real cluster does not count status writes: checked on the fake only.)
+    if let Some(writes) = c.status_writes(c.ns(), "done") {
+        assert!(writes < 15, "{writes} status writes");
+    }
+    let events = events_once(c, |e| {
+        let r = reasons(e);
+        r.iter().any(|r| r == "Draining") && r.iter().any(|r| r == "Done")
+    })
+    .await;
+    let reasons = reasons(&events);
     assert!(
         reasons.contains(&"Draining".to_string()) && reasons.contains(&"Done".to_string()),
         "{reasons:?}"
     );
-    eprintln!("$ kubectl get dlqreplays -n {NS}\n{}", kubectl_get(&[r]));
+    eprintln!(
+        "$ kubectl get dlqreplays -n {}\n{}",
+        c.ns(),
+        kubectl_get(&[r])
+    );
     assert_eq!(w.take(&w.topo.work).await.len(), 29);
     // Re-applying the same manifest starts nothing new: a Done replay stays done.
     let patch = json!({"metadata": {"labels": {"touched": "yes"}}});
@@ -151,15 +191,13 @@ async fn apply_runs_the_replay_to_done_with_correct_counts_and_events() {
     w.cleanup().await;
 }
 
-#[tokio::test]
-async fn a_missing_secret_keeps_it_pending_until_the_secret_exists() {
+async fn a_missing_secret_keeps_it_pending_until_the_secret_exists(c: &Cluster) {
     let w = World::new("ctl-secret").await;
     w.dead_letter((0..5).map(|i| job(&format!("s{i}"), json!({}))).collect())
         .await;
-    let fake = FakeApi::start().await;
-    let (_op, _stop) = operator(&fake);
-    let api: Api<DlqReplay> = Api::namespaced(fake.client(), NS);
-    api.create(&PostParams::default(), &resource(&w, "sec", ""))
+    let (_op, _stop) = operator(c);
+    let api = replays(c);
+    api.create(&PostParams::default(), &resource(&w, c.ns(), "sec", ""))
         .await
         .unwrap();
     let r = wait_for(&api, "sec", "Pending", |r| phase(r) == Some(Phase::Pending)).await;
@@ -169,31 +207,29 @@ async fn a_missing_secret_keeps_it_pending_until_the_secret_exists() {
         "{msg}"
     );
     assert_eq!(w.depth(&w.topo.dlq).await, 5);
-    secrets(&fake);
+    secrets(c).await;
     let r = wait_for(&api, "sec", "Done", |r| phase(r) == Some(Phase::Done)).await;
     assert_eq!(r.status.unwrap().counts.replayed, 5);
     // No password in status or events.
     let dump = format!(
         "{:?}{:?}",
         api.get("sec").await.unwrap().status,
-        fake.events()
+        c.events(c.ns()).await
     );
     assert!(!dump.contains("guest:guest"), "a URL password leaked");
     w.cleanup().await;
 }
 
-#[tokio::test]
-async fn a_second_replay_of_the_same_queue_waits_source_busy() {
+async fn a_second_replay_of_the_same_queue_waits_source_busy(c: &Cluster) {
     let w = World::new("ctl-busy").await;
     w.dead_letter((0..40).map(|i| job(&format!("b{i}"), json!({}))).collect())
         .await;
-    let fake = FakeApi::start().await;
-    secrets(&fake);
-    let (_op, _stop) = operator(&fake);
-    let api: Api<DlqReplay> = Api::namespaced(fake.client(), NS);
+    secrets(c).await;
+    let (_op, _stop) = operator(c);
+    let api = replays(c);
     api.create(
         &PostParams::default(),
-        &resource(&w, "first", "  rate: {messagesPerSecond: 20}\n"),
+        &resource(&w, c.ns(), "first", "  rate: {messagesPerSecond: 20}\n"),
     )
     .await
     .unwrap();
@@ -201,7 +237,7 @@ async fn a_second_replay_of_the_same_queue_waits_source_busy() {
         phase(r) == Some(Phase::Draining)
     })
     .await;
-    api.create(&PostParams::default(), &resource(&w, "second", ""))
+    api.create(&PostParams::default(), &resource(&w, c.ns(), "second", ""))
         .await
         .unwrap();
     let r = wait_for(&api, "second", "SourceBusy", |r| {
@@ -220,18 +256,16 @@ async fn a_second_replay_of_the_same_queue_waits_source_busy() {
     w.cleanup().await;
 }
 
-#[tokio::test]
-async fn suspend_pauses_after_in_flight_settles_and_resume_finishes() {
+async fn suspend_pauses_after_in_flight_settles_and_resume_finishes(c: &Cluster) {
     let w = World::new("ctl-suspend").await;
     w.dead_letter((0..60).map(|i| job(&format!("p{i}"), json!({}))).collect())
         .await;
-    let fake = FakeApi::start().await;
-    secrets(&fake);
-    let (_op, _stop) = operator(&fake);
-    let api: Api<DlqReplay> = Api::namespaced(fake.client(), NS);
+    secrets(c).await;
+    let (_op, _stop) = operator(c);
+    let api = replays(c);
     api.create(
         &PostParams::default(),
-        &resource(&w, "sus", "  rate: {messagesPerSecond: 20}\n"),
+        &resource(&w, c.ns(), "sus", "  rate: {messagesPerSecond: 20}\n"),
     )
     .await
     .unwrap();
@@ -276,18 +310,16 @@ async fn suspend_pauses_after_in_flight_settles_and_resume_finishes() {
     w.cleanup().await;
 }
 
-#[tokio::test]
-async fn deleting_mid_drain_stops_cleanly_and_loses_nothing() {
+async fn deleting_mid_drain_stops_cleanly_and_loses_nothing(c: &Cluster) {
     let w = World::new("ctl-delete").await;
     w.dead_letter((0..60).map(|i| job(&format!("d{i}"), json!({}))).collect())
         .await;
-    let fake = FakeApi::start().await;
-    secrets(&fake);
-    let (_op, _stop) = operator(&fake);
-    let api: Api<DlqReplay> = Api::namespaced(fake.client(), NS);
+    secrets(c).await;
+    let (_op, _stop) = operator(c);
+    let api = replays(c);
     api.create(
         &PostParams::default(),
-        &resource(&w, "del", "  rate: {messagesPerSecond: 20}\n"),
+        &resource(&w, c.ns(), "del", "  rate: {messagesPerSecond: 20}\n"),
     )
     .await
     .unwrap();
@@ -312,20 +344,18 @@ async fn deleting_mid_drain_stops_cleanly_and_loses_nothing() {
     w.cleanup().await;
 }
 
-#[tokio::test]
-async fn an_operator_restart_mid_drain_resumes_and_loses_nothing() {
+async fn an_operator_restart_mid_drain_resumes_and_loses_nothing(c: &Cluster) {
     let w = World::new("ctl-restart").await;
     w.dead_letter((0..60).map(|i| job(&format!("r{i}"), json!({}))).collect())
         .await;
-    let fake = FakeApi::start().await;
-    secrets(&fake);
-    let (op, stop) = operator(&fake);
-    let api: Api<DlqReplay> = Api::namespaced(fake.client(), NS);
+    secrets(c).await;
+    let (op, stop) = operator(c);
+    let api = replays(c);
     let extra = format!(
         "{}  rate: {{messagesPerSecond: 20}}\n",
         w.idempotency("Claim")
     );
-    api.create(&PostParams::default(), &resource(&w, "rst", &extra))
+    api.create(&PostParams::default(), &resource(&w, c.ns(), "rst", &extra))
         .await
         .unwrap();
     let before = wait_for(&api, "rst", "some progress", |r| {
@@ -335,7 +365,7 @@ async fn an_operator_restart_mid_drain_resumes_and_loses_nothing() {
     let id = before.status.unwrap().replay_id;
     stop.send(()).unwrap();
     op.await.unwrap();
-    let (_op2, _stop2) = operator(&fake);
+    let (_op2, _stop2) = operator(c);
     let r = wait_for(&api, "rst", "Done", |r| phase(r) == Some(Phase::Done)).await;
     let s = r.status.unwrap();
     assert_eq!(s.replay_id, id, "a restart must resume the same replay");
@@ -353,8 +383,7 @@ async fn an_operator_restart_mid_drain_resumes_and_loses_nothing() {
     w.cleanup().await;
 }
 
-#[tokio::test]
-async fn a_canary_that_dies_again_ends_canary_failed() {
+async fn a_canary_that_dies_again_ends_canary_failed(c: &Cluster) {
     let w = World::new("ctl-canary").await;
     w.dead_letter((0..6).map(|i| job(&format!("c{i}"), json!({}))).collect())
         .await;
@@ -377,11 +406,10 @@ async fn a_canary_that_dies_again_ends_canary_failed() {
                 .await;
         }
     });
-    let fake = FakeApi::start().await;
-    secrets(&fake);
-    let (_op, _stop) = operator(&fake);
-    let api: Api<DlqReplay> = Api::namespaced(fake.client(), NS);
-    let mut r = resource(&w, "can", "");
+    secrets(c).await;
+    let (_op, _stop) = operator(c);
+    let api = replays(c);
+    let mut r = resource(&w, c.ns(), "can", "");
     r.spec.canary.enabled = true;
     r.spec.canary.wait_seconds = 5;
     api.create(&PostParams::default(), &r).await.unwrap();
@@ -392,58 +420,62 @@ async fn a_canary_that_dies_again_ends_canary_failed() {
     let s = r.status.unwrap();
     assert_eq!(s.canary[0].result, dlq_replay::api::CanaryResult::DiedAgain);
     assert_eq!(w.depth(&w.topo.dlq).await, 6);
-    assert!(fake
-        .events()
-        .iter()
-        .any(|e| e["reason"] == "CanaryFailed" && e["type"] == "Warning"));
+    let failed = |e: &Value| e["reason"] == "CanaryFailed" && e["type"] == "Warning";
+    let events = events_once(c, |es| es.iter().any(failed)).await;
+    assert!(events.iter().any(failed));
     w.cleanup().await;
 }
 
-#[tokio::test]
-async fn with_two_replicas_only_the_leader_drives_replays() {
+async fn with_two_replicas_only_the_leader_drives_replays(c: &Cluster) {
     let w = World::new("ctl-leader").await;
     w.dead_letter((0..30).map(|i| job(&format!("l{i}"), json!({}))).collect())
         .await;
-    let fake = FakeApi::start().await;
-    secrets(&fake);
+    secrets(c).await;
     let replicas: Vec<_> = ["op-a", "op-b"]
         .iter()
         .map(|id| {
             let settings = Settings {
+                namespace: c.watch_namespace(),
                 instance: id.to_string(),
                 status_interval: Duration::from_millis(500),
                 ..Settings::default()
             };
-            let client = fake.client();
+            let client = c.client();
+            // The Lease in the test's namespace: a real cluster's is shared by concurrent tests.
+            let lease_ns = c.ns().to_string();
             tokio::spawn(async move {
                 let metrics = dlq_replay::metrics::Metrics::global();
-                let _ =
-                    controller::run_with_leader_election(client, settings, "dlq-replay", metrics)
-                        .await;
+                let _ = controller::run_with_leader_election(client, settings, &lease_ns, metrics)
+                    .await;
             })
         })
         .collect();
-    let api: Api<DlqReplay> = Api::namespaced(fake.client(), NS);
+    let api = replays(c);
     let extra = format!(
         "{}  rate: {{messagesPerSecond: 30}}\n",
         w.idempotency("Claim")
     );
-    api.create(&PostParams::default(), &resource(&w, "lead", &extra))
-        .await
-        .unwrap();
+    api.create(
+        &PostParams::default(),
+        &resource(&w, c.ns(), "lead", &extra),
+    )
+    .await
+    .unwrap();
     let r = wait_for(&api, "lead", "Done", |r| phase(r) == Some(Phase::Done)).await;
     assert_eq!(r.status.unwrap().counts.replayed, 30);
     let target = w.take(&w.topo.work).await;
     assert_eq!(target.len(), 30, "published by both replicas?");
-    let lease = fake
-        .get_json("leases", "dlq-replay", "dlq-replay-leader")
+    let lease = c
+        .get_json("leases", c.ns(), "dlq-replay-leader")
+        .await
         .expect("a Lease");
     let holder = lease["spec"]["holderIdentity"]
         .as_str()
         .unwrap()
         .to_string();
-    let instances: std::collections::BTreeSet<String> = fake
-        .events()
+    // The leader's Done event is the last one published.
+    let events = events_once(c, |e| reasons(e).iter().any(|r| r == "Done")).await;
+    let instances: std::collections::BTreeSet<String> = events
         .iter()
         .filter_map(|e| e["reportingInstance"].as_str().map(String::from))
         .collect();
@@ -480,23 +512,13 @@ async fn http_get(port: u16, path: &str) -> String {
     out
 }
 
-#[tokio::test]
-async fn the_operator_binary_drives_a_replay_from_a_kubeconfig_and_serves_metrics() {
+async fn the_operator_binary_drives_a_replay_from_a_kubeconfig_and_serves_metrics(c: &Cluster) {
     let w = World::new("ctl-binary").await;
     w.dead_letter((0..200).map(|i| job(&format!("o{i}"), json!({}))).collect())
         .await;
-    let fake = FakeApi::start().await;
-    secrets(&fake);
+    secrets(c).await;
     let dir = tempfile::tempdir().unwrap();
-    let kubeconfig = dir.path().join("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        format!(
-            "apiVersion: v1\nkind: Config\nclusters: [{{name: fake, cluster: {{server: \"{}\"}}}}]\nusers: [{{name: fake, user: {{}}}}]\ncontexts: [{{name: fake, context: {{cluster: fake, user: fake, namespace: default}}}}]\ncurrent-context: fake\n",
-            fake.url()
-        ),
-    )
-    .unwrap();
+    let kubeconfig = c.kubeconfig(dir.path());
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -506,11 +528,11 @@ async fn the_operator_binary_drives_a_replay_from_a_kubeconfig_and_serves_metric
         .args([
             "operator",
             "--namespace",
-            NS,
+            c.ns(),
             "--http-addr",
             &format!("127.0.0.1:{port}"),
             "--lease-namespace",
-            NS,
+            c.ns(),
         ])
         .env("KUBECONFIG", &kubeconfig)
         .kill_on_drop(true)
@@ -524,10 +546,10 @@ async fn the_operator_binary_drives_a_replay_from_a_kubeconfig_and_serves_metric
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
     let idle = rss_kib(pid);
-    let api: Api<DlqReplay> = Api::namespaced(fake.client(), NS);
+    let api = replays(c);
     api.create(
         &PostParams::default(),
-        &resource(&w, "bin", "  rate: {messagesPerSecond: 100}\n"),
+        &resource(&w, c.ns(), "bin", "  rate: {messagesPerSecond: 100}\n"),
     )
     .await
     .unwrap();
@@ -557,3 +579,53 @@ async fn the_operator_binary_drives_a_replay_from_a_kubeconfig_and_serves_metric
     let _ = child.kill().await;
     w.cleanup().await;
 }
+
+macro_rules! scenarios {
+    ($($name:ident),* $(,)?) => {
+        /// The scenarios against the in-process fake API server.
+        mod fake {
+            use futures::FutureExt as _;
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    let c = super::Cluster::fake().await;
+                    let result = super::AssertUnwindSafe(super::$name(&c)).catch_unwind().await;
+                    c.cleanup().await;
+                    if let Err(panic) = result {
+                        std::panic::resume_unwind(panic);
+                    }
+                }
+            )*
+        }
+
+        /// The same scenarios against a real cluster (E2E=1 and KUBECONFIG), else SKIPPED.
+        mod e2e {
+            use futures::FutureExt as _;
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    let Some(c) = super::Cluster::real(stringify!($name)).await else {
+                        return;
+                    };
+                    let result = super::AssertUnwindSafe(super::$name(&c)).catch_unwind().await;
+                    c.cleanup().await;
+                    if let Err(panic) = result {
+                        std::panic::resume_unwind(panic);
+                    }
+                }
+            )*
+        }
+    };
+}
+
+scenarios!(
+    apply_runs_the_replay_to_done_with_correct_counts_and_events,
+    a_missing_secret_keeps_it_pending_until_the_secret_exists,
+    a_second_replay_of_the_same_queue_waits_source_busy,
+    suspend_pauses_after_in_flight_settles_and_resume_finishes,
+    deleting_mid_drain_stops_cleanly_and_loses_nothing,
+    an_operator_restart_mid_drain_resumes_and_loses_nothing,
+    a_canary_that_dies_again_ends_canary_failed,
+    with_two_replicas_only_the_leader_drives_replays,
+    the_operator_binary_drives_a_replay_from_a_kubeconfig_and_serves_metrics,
+);

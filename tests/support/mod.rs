@@ -1,6 +1,7 @@
 //! Test support: real dead letters on the real broker, each test in its own names.
 #![allow(dead_code)]
 
+pub mod cluster;
 pub mod fake_api;
 
 use std::collections::BTreeMap;
