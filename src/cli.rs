@@ -254,6 +254,7 @@ pub fn resolve(resource: &DlqReplay, endpoints: &Endpoints) -> Result<Replay, Er
         spec: spec.clone(),
         amqp_url,
         redis_url,
+        uid: None,
     })
 }
 

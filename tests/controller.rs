@@ -341,6 +341,36 @@ async fn deleting_mid_drain_stops_cleanly_and_loses_nothing(c: &Cluster) {
     let left = w.depth(&w.topo.dlq).await;
     assert!(target < 60, "the replay was not stopped");
     assert_eq!(target + left, 60, "target {target} + dlq {left}");
+    // Created again under the same name, it is a new replay (new uid): it drains the rest.
+    api.create(&PostParams::default(), &resource(&w, c.ns(), "del", ""))
+        .await
+        .unwrap();
+    let r = wait_for(&api, "del", "Done", |r| phase(r) == Some(Phase::Done)).await;
+    assert_eq!(r.status.unwrap().counts.replayed, u64::from(left));
+    assert_eq!(w.depth(&w.topo.work).await, 60);
+    // A finished replay deleted and created again is not "already done": it replays anew.
+    api.delete("del", &DeleteParams::default()).await.unwrap();
+    while api.get_opt("del").await.unwrap().is_some() {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(w.take(&w.topo.work).await.len(), 60);
+    w.dead_letter(vec![job("late-1", json!({})), job("late-2", json!({}))])
+        .await;
+    api.create(&PostParams::default(), &resource(&w, c.ns(), "del", ""))
+        .await
+        .unwrap();
+    let r = wait_for(&api, "del", "Done again", |r| {
+        phase(r) == Some(Phase::Done) && r.status.as_ref().is_some_and(|s| s.counts.replayed == 2)
+    })
+    .await;
+    assert_eq!(r.status.unwrap().counts.scanned, 2);
+    let ids: Vec<String> = w
+        .take(&w.topo.work)
+        .await
+        .into_iter()
+        .map(|m| m.id)
+        .collect();
+    assert_eq!(ids, ["late-1", "late-2"]);
     w.cleanup().await;
 }
 

@@ -412,6 +412,7 @@ pub async fn resolve(client: &Client, obj: &DlqReplay) -> Result<Replay, String>
         spec: spec.clone(),
         amqp_url,
         redis_url,
+        uid: obj.uid(),
     })
 }
 

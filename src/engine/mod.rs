@@ -42,6 +42,19 @@ pub struct Replay {
     pub amqp_url: String,
     /// The Redis URL (audit trail, replay state, idempotency keys).
     pub redis_url: String,
+    /// The resource's uid when a cluster runs it: a DlqReplay deleted and created again under
+    /// the same name is a new replay, not the finished old one.
+    pub uid: Option<String>,
+}
+
+impl Replay {
+    /// The name its state is kept under: `name`, or `name@uid` in a cluster.
+    pub fn state_name(&self) -> String {
+        match &self.uid {
+            Some(uid) => format!("{}@{uid}", self.name),
+            None => self.name.clone(),
+        }
+    }
 }
 
 /// Knobs that are not part of the spec.
@@ -131,8 +144,14 @@ pub async fn run(
         .ok_or_else(|| Error::SourceMissing(replay.spec.source.queue.clone()))?
         .0;
     let con = store::connect(&replay.redis_url).await?;
-    let (store, state) =
-        Store::begin(con, &replay.namespace, &replay.name, depth.into(), &now()).await?;
+    let (store, state) = Store::begin(
+        con,
+        &replay.namespace,
+        &replay.state_name(),
+        depth.into(),
+        &now(),
+    )
+    .await?;
     if let Some(done) = &state.final_status {
         let status: DlqReplayStatus = serde_json::from_str(done)
             .map_err(|e| Error::Redis(format!("stored final status is unreadable: {e}")))?;

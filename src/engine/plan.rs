@@ -61,7 +61,7 @@ pub async fn plan(replay: &Replay) -> Result<PlanReport, Error> {
     };
     // An existing replay of this name: recognise its own returned messages as it would.
     let replay_id = match con.clone() {
-        Some(c) => store::Store::peek(c, &replay.namespace, &replay.name)
+        Some(c) => store::Store::peek(c, &replay.namespace, &replay.state_name())
             .await?
             .map(|s| s.replay_id),
         None => None,
