@@ -11,6 +11,7 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
 /// A label of one decision.
@@ -33,6 +34,10 @@ pub struct Metrics {
     pub messages: Family<DecisionLabel, Counter>,
     /// Replays by phase (as last seen by this operator).
     pub replays: Family<PhaseLabel, Gauge>,
+    /// Seconds from the end of a batch's publishes to each confirm.
+    pub publish_latency: Histogram,
+    /// Keys published twice in Claim mode; must stay 0.
+    pub double_published: Counter,
     /// Whether this instance leads (drives replays).
     pub leader: Gauge,
     registry: Registry,
@@ -46,6 +51,18 @@ impl Metrics {
         let messages = Family::<DecisionLabel, Counter>::default();
         let replays = Family::<PhaseLabel, Gauge>::default();
         let leader = Gauge::default();
+        let publish_latency = Histogram::new(exponential_buckets(0.0005, 2.0, 14));
+        let double_published = Counter::default();
+        registry.register(
+            "publish_latency_seconds",
+            "Publish to broker confirm",
+            publish_latency.clone(),
+        );
+        registry.register(
+            "double_published",
+            "Keys published twice in Claim mode (must stay 0)",
+            double_published.clone(),
+        );
         registry.register("messages", "Messages by decision", messages.clone());
         registry.register("replays", "Replays by phase", replays.clone());
         registry.register(
@@ -57,6 +74,8 @@ impl Metrics {
             messages,
             replays,
             leader,
+            publish_latency,
+            double_published,
             registry,
             ready: AtomicBool::new(false),
         })

@@ -192,6 +192,12 @@ async fn claim_mode_publishes_each_key_once_and_respects_other_claims() {
         .collect();
     let unique: BTreeSet<&String> = keys.iter().collect();
     assert_eq!(keys.len(), unique.len(), "a key was published twice");
+    assert_eq!(
+        dlq_replay::metrics::Metrics::global()
+            .double_published
+            .get(),
+        0
+    );
     let claim = w.get(&w.key("k0")).await.unwrap();
     assert!(
         claim.starts_with(status.replay_id.as_deref().unwrap()),
@@ -519,5 +525,25 @@ async fn an_unreachable_broker_or_redis_is_a_clear_error() {
     assert!(err.starts_with("redis:"), "{err}");
     assert!(!err.contains("hunter2-secret"), "{err}");
     assert_eq!(w.depth(&w.topo.dlq).await, 1);
+    w.cleanup().await;
+}
+
+#[tokio::test]
+async fn the_store_notices_a_key_replayed_twice() {
+    let w = World::new("again").await;
+    let con = dlq_replay::engine::store::connect(REDIS).await.unwrap();
+    let (mut store, _) = dlq_replay::engine::store::Store::begin(con, "tests", &w.tag, 1, "now")
+        .await
+        .unwrap();
+    let mark = vec![(format!("key:{}", w.key("x")), "m1".to_string())];
+    let (_, first) = store
+        .commit(&[], &mark, &[], &Default::default())
+        .await
+        .unwrap();
+    let (_, second) = store
+        .commit(&[], &mark, &[], &Default::default())
+        .await
+        .unwrap();
+    assert_eq!((first, second), (0, 1));
     w.cleanup().await;
 }

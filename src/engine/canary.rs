@@ -307,7 +307,7 @@ async fn publish_canaries(
         watch.keys.push(c.key);
         watch.identities.push(identity);
     }
-    watch.records = store.commit(&rows, &settled, &[], &watch.delta).await?;
+    watch.records = store.commit(&rows, &settled, &[], &watch.delta).await?.0;
     for tag in acks {
         ch.basic_ack(tag, BasicAckOptions::default()).await?;
     }

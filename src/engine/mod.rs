@@ -798,7 +798,17 @@ impl<'a> Drain<'a> {
             }
         }
         let (idx, confirms): (Vec<usize>, Vec<_>) = pending.into_iter().unzip();
-        let results = futures::future::join_all(confirms).await;
+        let metrics = crate::metrics::Metrics::global();
+        let sent = std::time::Instant::now();
+        let timed = confirms.into_iter().map(|c| {
+            let latency = &metrics.publish_latency;
+            async move {
+                let res = c.await;
+                latency.observe(sent.elapsed().as_secs_f64());
+                res
+            }
+        });
+        let results = futures::future::join_all(timed).await;
         for (i, res) in idx.into_iter().zip(results) {
             let item = &mut items[i];
             item.act = match (publish::outcome(res), &item.act) {
@@ -917,7 +927,14 @@ impl<'a> Drain<'a> {
                 time: time.clone(),
             });
         }
-        let records = self.store.commit(&rows, &settled, &release, &delta).await?;
+        let (records, again) = self.store.commit(&rows, &settled, &release, &delta).await?;
+        if claiming && again > 0 {
+            // The invariant Claim mode exists for broke: say so loudly, and count it.
+            tracing::error!(replay = %self.replay_id, keys = again, "Claim mode published a key twice");
+            crate::metrics::Metrics::global()
+                .double_published
+                .inc_by(again);
+        }
         let src = self
             .source
             .as_mut()

@@ -270,16 +270,20 @@ impl Store {
     }
 
     /// Write a batch's outcome atomically: the audit rows, the settled marks, the released
-    /// claims and the count deltas. Returns the audit stream's length afterwards.
+    /// claims and the count deltas. Returns the audit stream's length afterwards, and how many
+    /// `key:` marks already existed (keys this replay had replayed before: in Claim mode, a key
+    /// published twice, which must never happen).
     pub async fn commit(
         &mut self,
         rows: &[AuditRow],
         settled: &[(String, String)],
         release: &[(String, String)],
         delta: &Counts,
-    ) -> Result<u64, Error> {
+    ) -> Result<(u64, u64), Error> {
         let mut p = redis::pipe();
         p.atomic();
+        let (keys, marks): (Vec<_>, Vec<_>) =
+            settled.iter().partition(|(f, _)| f.starts_with("key:"));
         for row in rows {
             let c = p.cmd("XADD").arg(&self.keys.audit).arg("*");
             for (f, v) in AuditRow::FIELDS.iter().zip(row.values()) {
@@ -287,8 +291,14 @@ impl Store {
             }
             c.ignore();
         }
-        if !settled.is_empty() {
-            p.cmd("HSET").arg(&self.keys.settled).arg(settled).ignore();
+        if !marks.is_empty() {
+            p.cmd("HSET").arg(&self.keys.settled).arg(marks).ignore();
+        }
+        for (field, value) in &keys {
+            p.cmd("HSETNX")
+                .arg(&self.keys.settled)
+                .arg(field)
+                .arg(value);
         }
         for (key, value) in release {
             p.cmd("EVAL")
@@ -308,8 +318,10 @@ impl Store {
             }
         }
         p.cmd("XLEN").arg(&self.keys.audit);
-        let (len,): (u64,) = p.query_async(&mut self.con).await?;
-        Ok(len)
+        let mut answers: Vec<u64> = p.query_async(&mut self.con).await?;
+        let len = answers.pop().unwrap_or(0);
+        let again = answers.iter().filter(|set| **set == 0).count() as u64;
+        Ok((len, again))
     }
 
     /// A handle on the same Redis.
