@@ -451,8 +451,13 @@ async fn a_canary_that_dies_again_ends_canary_failed(c: &Cluster) {
     assert_eq!(s.canary[0].result, dlq_replay::api::CanaryResult::DiedAgain);
     assert_eq!(w.depth(&w.topo.dlq).await, 6);
     let failed = |e: &Value| e["reason"] == "CanaryFailed" && e["type"] == "Warning";
-    let events = events_once(c, |es| es.iter().any(failed)).await;
+    let died = |e: &Value| {
+        e["reason"] == "CanaryDiedAgain"
+            && e["note"].as_str().is_some_and(|n| n.contains("rejected"))
+    };
+    let events = events_once(c, |es| es.iter().any(failed) && es.iter().any(died)).await;
     assert!(events.iter().any(failed));
+    assert!(events.iter().any(died), "no event for the canary's result");
     w.cleanup().await;
 }
 

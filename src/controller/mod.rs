@@ -23,7 +23,7 @@ use serde_json::json;
 use tokio::sync::{watch, Mutex};
 use tokio_util::sync::CancellationToken;
 
-use crate::api::{ConnectionSpec, DlqReplay, DlqReplayStatus, Phase};
+use crate::api::{CanaryResult, ConnectionSpec, DlqReplay, DlqReplayStatus, Phase};
 use crate::engine::{self, Replay};
 
 /// The finalizer that lets a deleted replay settle its in-flight messages first.
@@ -323,26 +323,50 @@ async fn write_status(ctx: &Context, obj: &DlqReplay, next: &DlqReplayStatus) ->
     if old_phase != status.phase {
         publish_event(ctx, obj, &status).await;
     }
+    let old_canaries = obj
+        .status
+        .as_ref()
+        .map(|s| s.canary.clone())
+        .unwrap_or_default();
+    for (signature, result, reason) in status::canary_changes(&old_canaries, &status.canary) {
+        let warning = matches!(result, CanaryResult::DiedAgain | CanaryResult::Unconfirmed);
+        let note = format!(
+            "canary of {signature}: {result:?}{}",
+            reason.map(|r| format!(" ({r})")).unwrap_or_default()
+        );
+        emit(ctx, obj, warning, &format!("Canary{result:?}"), Some(note)).await;
+    }
     Ok(())
 }
 
-async fn publish_event(ctx: &Context, obj: &DlqReplay, status: &DlqReplayStatus) {
-    let phase = status.phase.unwrap_or(Phase::Pending);
-    let warning = matches!(phase, Phase::Failed | Phase::CanaryFailed);
+async fn emit(ctx: &Context, obj: &DlqReplay, warning: bool, reason: &str, note: Option<String>) {
     let ev = Event {
         type_: if warning {
             EventType::Warning
         } else {
             EventType::Normal
         },
-        reason: phase.to_string(),
-        note: status.message.clone(),
+        reason: reason.into(),
+        note,
         action: "Replay".into(),
         secondary: None,
     };
     if let Err(e) = ctx.recorder.publish(&ev, &obj.object_ref(&())).await {
         tracing::warn!(error = %e, "publishing an event");
     }
+}
+
+async fn publish_event(ctx: &Context, obj: &DlqReplay, status: &DlqReplayStatus) {
+    let phase = status.phase.unwrap_or(Phase::Pending);
+    let warning = matches!(phase, Phase::Failed | Phase::CanaryFailed);
+    emit(
+        ctx,
+        obj,
+        warning,
+        &phase.to_string(),
+        status.message.clone(),
+    )
+    .await;
 }
 
 /// Run the engine for one replay, writing its status as it goes.

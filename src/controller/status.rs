@@ -1,6 +1,6 @@
 //! Client-free status logic: conditions from a phase, when to write, and phase-change events.
 
-use crate::api::{Condition, DlqReplayStatus, Phase};
+use crate::api::{CanaryResult, CanaryStatus, Condition, DlqReplayStatus, Phase};
 
 /// The standard conditions of a status: `Ready` (the replay reached Done), `Progressing` (it is
 /// moving), `Degraded` (it stopped short). `lastTransitionTime` is kept while a condition's
@@ -70,6 +70,21 @@ pub fn should_write(
     }
 }
 
+/// Canaries whose result changed to a decision since the last written status: one event each.
+pub fn canary_changes(
+    old: &[CanaryStatus],
+    new: &[CanaryStatus],
+) -> Vec<(String, CanaryResult, Option<String>)> {
+    new.iter()
+        .filter(|c| c.result != CanaryResult::Waiting)
+        .filter(|c| {
+            !old.iter()
+                .any(|o| o.signature == c.signature && o.result == c.result)
+        })
+        .map(|c| (c.signature.clone(), c.result, c.reason.clone()))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -126,6 +141,23 @@ mod tests {
         assert_eq!(
             reason_of(&st(Phase::Pending, "waiting for things")),
             "Pending"
+        );
+    }
+
+    #[test]
+    fn each_canary_decision_is_reported_once() {
+        let c = |r| CanaryStatus {
+            signature: "s".into(),
+            result: r,
+            ..Default::default()
+        };
+        assert!(canary_changes(&[], &[c(CanaryResult::Waiting)]).is_empty());
+        assert_eq!(
+            canary_changes(&[c(CanaryResult::Waiting)], &[c(CanaryResult::DiedAgain)]).len(),
+            1
+        );
+        assert!(
+            canary_changes(&[c(CanaryResult::DiedAgain)], &[c(CanaryResult::DiedAgain)]).is_empty()
         );
     }
 
