@@ -26,7 +26,8 @@ lint:
 	$(CARGO) clippy --all-targets -- -D warnings
 
 # Throughput vs RabbitMQ's Shovel, rate accuracy and memory growth of the release binary
-# (BENCH_N=50000 messages per run, BENCH_REPS=3, BENCH_MEM=0 skips the 100k memory run).
+# (BENCH_N=50000 messages per run, BENCH_REPS=3, BENCH_MEM=0 skips the 100k memory run,
+# BENCH_RUN_ARGS adds arguments to `dlq-replay run`, e.g. "--batch 1024"). Output: bench/RESULTS.md.
 bench: services
 	$(CARGO) build --release --quiet
 	$(CARGO) run --release --quiet --example bench

@@ -1,0 +1,1065 @@
+//! `make bench`: throughput, rate accuracy and memory of `dlq-replay run`, against RabbitMQ's
+//! own Shovel on the same dead letters. A harness, not a test: every figure goes to stdout.
+//!
+//! Environment: `BENCH_N` (messages per throughput run, default 50,000), `BENCH_REPS` (runs of
+//! each of shovel / Check / Claim, alternating, default 3, at least 3), `BENCH_MEM=0` (skip the
+//! 100,000-message memory run), `BENCH_RUN_ARGS` (extra `dlq-replay run` arguments, e.g.
+//! `--batch 1024`), `DLQ_REPLAY_BIN` (default `target/release/dlq-replay`). `AMQP_URL`
+//! and `REDIS_URL` as for the binary. An example rather than a `[[bench]]` so that it shares the
+//! release profile's artifacts: `cargo run --release --example bench` builds nothing twice.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use dlq_replay::engine::{self, key::key_of, store};
+use dlq_replay::fixture::{self, Topology};
+use futures::StreamExt;
+use lapin::options::{
+    BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Channel, Connection};
+use redis::aio::ConnectionManager;
+use serde_json::{json, Value};
+
+const BODY_BYTES: usize = 1024;
+const NAMESPACE: &str = "bench";
+
+/// What one timed run measured.
+#[derive(Debug, Clone)]
+struct Run {
+    n: usize,
+    wall: f64,
+    /// Peak RSS of dlq-replay in KiB (none for Shovel).
+    rss_kib: Option<u64>,
+    /// CPU seconds of dlq-replay (user + sys); none for Shovel.
+    cpu: Option<(f64, f64)>,
+    /// CPU seconds spent during the run, by the broker, Redis, this harness and the machine.
+    usage: Usage,
+}
+
+/// CPU seconds so far (a snapshot) or over a run (a difference of two).
+#[derive(Debug, Clone, Copy, Default)]
+struct Usage {
+    broker: f64,
+    redis: f64,
+    harness: f64,
+    /// All cores, every process: user + nice + system + irq + softirq + steal.
+    busy: f64,
+    iowait: f64,
+}
+
+impl std::ops::Sub for Usage {
+    type Output = Usage;
+    fn sub(self, o: Usage) -> Usage {
+        Usage {
+            broker: self.broker - o.broker,
+            redis: self.redis - o.redis,
+            harness: self.harness - o.harness,
+            busy: self.busy - o.busy,
+            iowait: self.iowait - o.iowait,
+        }
+    }
+}
+
+impl Run {
+    fn rate(&self) -> f64 {
+        self.n as f64 / self.wall
+    }
+
+    /// CPU seconds of processes other than dlq-replay, the broker, Redis and this harness
+    /// (another build or test suite on the machine makes the figures noisy).
+    fn other(&self) -> f64 {
+        let own = self.cpu.map(|(u, s)| u + s).unwrap_or(0.0);
+        let u = &self.usage;
+        (u.busy - u.broker - u.redis - u.harness - own).max(0.0)
+    }
+
+    fn machine_text(&self) -> String {
+        format!(
+            "machine {:.2} of {} cores busy, other processes {:.2} CPU/s, iowait {:.2}",
+            self.usage.busy / self.wall,
+            nproc(),
+            self.other() / self.wall,
+            self.usage.iowait / self.wall
+        )
+    }
+}
+
+struct Bench {
+    amqp: String,
+    redis_url: String,
+    bin: PathBuf,
+    run_id: String,
+    conn: Connection,
+    redis: ConnectionManager,
+    time_rss: bool,
+    /// Extra arguments of `dlq-replay run`, from BENCH_RUN_ARGS (e.g. `--batch 1024`).
+    run_args: Vec<String>,
+    broker_pid: Option<u32>,
+    redis_pid: Option<u32>,
+    clk_tck: f64,
+    problems: Vec<String>,
+    tmp: tempfile::TempDir,
+}
+
+#[tokio::main]
+async fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if cfg!(debug_assertions) {
+        eprintln!("bench: build it with --release (run `make bench`)");
+        std::process::exit(2);
+    }
+    let n = env_usize("BENCH_N", 50_000);
+    let reps = env_usize("BENCH_REPS", 3).max(3);
+    let mem = std::env::var("BENCH_MEM").map(|v| v != "0").unwrap_or(true);
+    let mut b = Bench::new().await;
+    header(&b, &args, n, reps, mem).await;
+    enable_shovel();
+
+    // Throughput: shovel, Check, Claim, alternating.
+    let mut shovel = Vec::new();
+    let mut check = Vec::new();
+    let mut claim = Vec::new();
+    println!(
+        "\n== throughput: N = {n} messages of ~{BODY_BYTES} B JSON, {reps} runs each, alternating"
+    );
+    for rep in 1..=reps {
+        shovel.push(b.shovel(rep, n).await);
+        check.push(b.replay(&format!("check{rep}"), n, "Check", None).await.0);
+        claim.push(b.replay(&format!("claim{rep}"), n, "Claim", None).await.0);
+    }
+    let shovel_median = median(shovel.iter().map(Run::rate));
+    println!(
+        "\n== throughput table (N = {n}; msg/s = N / wall; dlq-replay: 10 % duplicates in Redis, audit on, canary off, no rate limit)"
+    );
+    println!(
+        "{:<19} {:>4} {:>12} {:>13} {:>11} {:>9} {:>14} {:>14} {:>10} {:>12} {:>11}",
+        "scenario",
+        "runs",
+        "median msg/s",
+        "min-max msg/s",
+        "median wall",
+        "vs Shovel",
+        "peak RSS (med)",
+        "RSS min-max",
+        "proc CPU/s",
+        "broker CPU/s",
+        "other CPU/s"
+    );
+    for (name, runs) in [
+        ("shovel (on-confirm)", &shovel),
+        ("dlq-replay Check", &check),
+        ("dlq-replay Claim", &claim),
+    ] {
+        table_row(name, runs, shovel_median);
+    }
+    println!("  proc CPU/s: dlq-replay's (user+sys) CPU seconds per wall second (1.0 = one core busy); broker CPU/s: the same for the RabbitMQ node (beam.smp); other CPU/s: the machine's busy time (/proc/stat) less dlq-replay, broker, Redis and this harness, floored at 0: other work on the machine, i.e. noise (approximate); the machine has {} cores.", nproc());
+    for (name, runs) in [("dlq-replay Check", &check), ("dlq-replay Claim", &claim)] {
+        let user = median(runs.iter().filter_map(|r| r.cpu.map(|c| c.0 / r.wall)));
+        let sys = median(runs.iter().filter_map(|r| r.cpu.map(|c| c.1 / r.wall)));
+        let redis = median(runs.iter().map(|r| r.usage.redis / r.wall));
+        let us = median(
+            runs.iter()
+                .filter_map(|r| r.cpu.map(|c| (c.0 + c.1) * 1e6 / r.n as f64)),
+        );
+        println!(
+            "  {name}: median user {user:.2} + sys {sys:.2} CPU/s, {us:.0} us CPU per message; Redis {redis:.2} CPU/s"
+        );
+    }
+    let shovel_redis = median(shovel.iter().map(|r| r.usage.redis / r.wall));
+    println!("  shovel: Redis {shovel_redis:.2} CPU/s (idle, as expected)");
+
+    // Rate accuracy.
+    println!("\n== rate accuracy (arrival times on the target queue, from a consumer started before the replay)");
+    let mut rows = Vec::new();
+    for (count, limit) in [(5_000usize, 500u32), (1_000, 50)] {
+        rows.push(b.rate(count, limit).await);
+    }
+    println!(
+        "{:<8} {:>6} {:>14} {:>18} {:>16} {:>20} {:>11} {:>13}",
+        "limit",
+        "msgs",
+        "achieved msg/s",
+        "worst 1-s window",
+        "first 1-s window",
+        "worst after first 1s",
+        "drain time",
+        "process wall"
+    );
+    for row in rows {
+        println!("{row}");
+    }
+    println!("  achieved = (arrivals - 1) / (last arrival - first arrival); a 1-s window is [t, t+1s) for every arrival t; the worst is the one with most arrivals (percent over the limit in brackets)");
+
+    // Memory growth.
+    println!("\n== memory growth (Check mode, same setup as the throughput runs)");
+    let small = b.replay("mem10k", 10_000, "Check", None).await.0;
+    let big = if mem {
+        Some(b.replay("mem100k", 100_000, "Check", None).await.0)
+    } else {
+        println!("  N = 100000 skipped (BENCH_MEM=0)");
+        None
+    };
+    println!(
+        "{:<10} {:>14} {:>12} {:>10}",
+        "N", "peak RSS", "wall", "msg/s"
+    );
+    for r in std::iter::once(&small).chain(big.as_ref()) {
+        println!(
+            "{:<10} {:>14} {:>11.2}s {:>10.0}",
+            r.n,
+            rss_text(r.rss_kib),
+            r.wall,
+            r.rate()
+        );
+    }
+    if let (Some(big), Some(a), Some(z)) =
+        (&big, small.rss_kib, big.as_ref().and_then(|r| r.rss_kib))
+    {
+        println!(
+            "  ratio 100k/10k: {:.2}x peak RSS for {}x messages ({:.1} KiB per extra message)",
+            z as f64 / a as f64,
+            big.n / small.n,
+            (z as f64 - a as f64) / (big.n - small.n) as f64
+        );
+    }
+
+    if b.problems.is_empty() {
+        println!("\nall runs checked: every message accounted for");
+    } else {
+        println!("\nPROBLEMS:");
+        for p in &b.problems {
+            println!("  - {p}");
+        }
+        std::process::exit(1);
+    }
+}
+
+impl Bench {
+    async fn new() -> Self {
+        let amqp = std::env::var("AMQP_URL")
+            .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+        let redis_url =
+            std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/".into());
+        let conn = engine::connect_amqp(&amqp, "dlq-replay bench")
+            .await
+            .expect("broker");
+        let redis = store::connect(&redis_url).await.expect("redis");
+        let bin = std::env::var_os("DLQ_REPLAY_BIN")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| {
+                let target = std::env::var_os("CARGO_TARGET_DIR")
+                    .map(PathBuf::from)
+                    .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target"));
+                target.join("release").join("dlq-replay")
+            });
+        assert!(
+            bin.exists(),
+            "{} is missing: cargo build --release",
+            bin.display()
+        );
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let time_rss = time_works(tmp.path());
+        let broker_pid = oldest_process("beam.smp");
+        let redis_pid = oldest_process("redis-server");
+        let clk_tck = cmd_out("getconf", &["CLK_TCK"])
+            .trim()
+            .parse()
+            .unwrap_or(100.0);
+        Self {
+            amqp,
+            redis_url,
+            bin,
+            run_id: uuid::Uuid::new_v4().simple().to_string()[..6].to_string(),
+            conn,
+            redis,
+            time_rss,
+            run_args: std::env::var("BENCH_RUN_ARGS")
+                .unwrap_or_default()
+                .split_whitespace()
+                .map(String::from)
+                .collect(),
+            broker_pid,
+            redis_pid,
+            clk_tck,
+            problems: Vec::new(),
+            tmp,
+        }
+    }
+
+    fn prefix(&self, scenario: &str) -> String {
+        format!("bench-{}-{scenario}", self.run_id)
+    }
+
+    async fn channel(&self) -> Channel {
+        self.conn.create_channel().await.expect("channel")
+    }
+
+    fn cpu(&self) -> Usage {
+        let t = |pid: Option<u32>| pid.map(|p| proc_cpu(p) / self.clk_tck).unwrap_or(0.0);
+        let (busy, iowait) = machine_cpu();
+        Usage {
+            broker: t(self.broker_pid),
+            redis: t(self.redis_pid),
+            harness: t(Some(std::process::id())),
+            busy: busy / self.clk_tck,
+            iowait: iowait / self.clk_tck,
+        }
+    }
+
+    /// A fresh topology under `prefix` whose DLQ holds `n` bench jobs with real x-death headers.
+    async fn build_dlq(&self, prefix: &str, n: usize) -> Topology {
+        let t = Instant::now();
+        let topo = Topology::named(prefix);
+        let ch = self.channel().await;
+        topo.declare(&ch).await.expect("topology");
+        fixture::dead_letter(&ch, &topo, jobs(n))
+            .await
+            .expect("dead letters");
+        let _ = ch.close(200, "ok".into()).await;
+        println!(
+            "  [{prefix}] built DLQ {} with {n} dead letters in {:.1}s",
+            topo.dlq,
+            t.elapsed().as_secs_f64()
+        );
+        // Let the broker finish writing the persistent messages before a clock starts.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        topo
+    }
+
+    async fn drop_topology(&self, topo: &Topology, extra_queues: &[&str]) {
+        let ch = self.channel().await;
+        let _ = topo.delete(&ch).await;
+        for q in extra_queues {
+            let _ = ch
+                .queue_delete((*q).into(), QueueDeleteOptions::default())
+                .await;
+        }
+        let _ = ch.close(200, "ok".into()).await;
+    }
+
+    async fn depth(&self, ch: &Channel, q: &str) -> u32 {
+        fixture::depth(ch, q).await.expect("depth")
+    }
+
+    /// RabbitMQ's dynamic Shovel moving the DLQ to a plain queue.
+    async fn shovel(&mut self, rep: usize, n: usize) -> Run {
+        let prefix = self.prefix(&format!("shovel{rep}"));
+        let topo = self.build_dlq(&prefix, n).await;
+        let dest = format!("{prefix}.dest");
+        let ch = self.channel().await;
+        ch.queue_declare(
+            dest.as_str().into(),
+            QueueDeclareOptions::durable(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("dest queue");
+        let name = format!("{prefix}-shovel");
+        let def = json!({
+            "src-protocol": "amqp091",
+            "src-uri": "amqp://guest:guest@127.0.0.1",
+            "src-queue": topo.dlq,
+            "dest-protocol": "amqp091",
+            "dest-uri": "amqp://guest:guest@127.0.0.1",
+            "dest-queue": dest,
+            "ack-mode": "on-confirm",
+            "src-delete-after": "queue-length",
+        })
+        .to_string();
+        let spawned = Instant::now();
+        let mut child = tokio::process::Command::new("rabbitmqctl")
+            .args(["-q", "set_parameter", "shovel", &name, &def])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("rabbitmqctl");
+        // Poll both depths while the CLI runs and after: the clock starts when the parameter is
+        // set (the CLI returned) or when the first message moved, whichever comes first; so do
+        // the CPU counters (the CLI's own Erlang VM, while it still runs, is among "other").
+        let mut returned: Option<(Instant, Usage)> = None;
+        let mut first_move: Option<(Instant, Usage)> = None;
+        let mut moved_at_return = 0;
+        let deadline = spawned + Duration::from_secs(60 + n as u64 / 200);
+        let done = loop {
+            if returned.is_none() {
+                if let Some(st) = child.try_wait().expect("rabbitmqctl wait") {
+                    returned = Some((Instant::now(), self.cpu()));
+                    if !st.success() {
+                        let mut err = String::new();
+                        if let Some(mut e) = child.stderr.take() {
+                            use tokio::io::AsyncReadExt;
+                            let _ = e.read_to_string(&mut err).await;
+                        }
+                        panic!("rabbitmqctl set_parameter failed: {err}");
+                    }
+                    moved_at_return = n as u32 - self.depth(&ch, &topo.dlq).await.min(n as u32);
+                }
+            }
+            let src = self.depth(&ch, &topo.dlq).await;
+            let dst = self.depth(&ch, &dest).await;
+            let now = Instant::now();
+            if first_move.is_none() && (src < n as u32 || dst > 0) {
+                first_move = Some((now, self.cpu()));
+            }
+            if src == 0 && dst as usize >= n && returned.is_some() {
+                break now;
+            }
+            if now > deadline {
+                self.problems.push(format!(
+                    "{prefix}: shovel did not finish (source {src}, destination {dst})"
+                ));
+                break now;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        let usage1 = self.cpu();
+        let (returned, at_return) = returned.expect("returned");
+        let (start, usage0) = match first_move {
+            Some((m, u)) if m < returned => (m, u),
+            _ => (returned, at_return),
+        };
+        let usage = usage1 - usage0;
+        let wall = done.duration_since(start).as_secs_f64();
+        let _ = std::process::Command::new("rabbitmqctl")
+            .args(["-q", "clear_parameter", "shovel", &name])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        let dst = self.depth(&ch, &dest).await;
+        if dst as usize != n {
+            self.problems
+                .push(format!("{prefix}: destination holds {dst}, expected {n}"));
+        }
+        let _ = ch.close(200, "ok".into()).await;
+        self.drop_topology(&topo, &[&dest]).await;
+        let run = Run {
+            n,
+            wall,
+            rss_kib: None,
+            cpu: None,
+            usage,
+        };
+        println!(
+            "  shovel run {rep}: {wall:.2}s, {:.0} msg/s (set_parameter CLI took {:.2}s, {moved_at_return} moved before it returned); broker {:.2} CPU/s; {}",
+            run.rate(),
+            returned.duration_since(spawned).as_secs_f64(),
+            run.usage.broker / wall,
+            run.machine_text()
+        );
+        run
+    }
+
+    /// `dlq-replay run` on a fresh DLQ of `n`, 10 % of keys done; with `rate`, no keys done and
+    /// the arrival times on the target queue are returned too.
+    async fn replay(
+        &mut self,
+        scenario: &str,
+        n: usize,
+        mode: &str,
+        rate: Option<u32>,
+    ) -> (Run, Vec<f64>) {
+        let prefix = self.prefix(scenario);
+        let topo = self.build_dlq(&prefix, n).await;
+        let idem = format!("{prefix}:idem:");
+        let done = if rate.is_none() {
+            self.mark_done(&idem, n).await
+        } else {
+            0
+        };
+        let name = prefix.clone();
+        let rate_line = rate
+            .map(|r| format!("  rate: {{messagesPerSecond: {r}}}\n"))
+            .unwrap_or_default();
+        let text = format!(
+            "apiVersion: replay.dlq.dev/v1alpha1\nkind: DlqReplay\nmetadata: {{name: {name}, namespace: {NAMESPACE}}}\nspec:\n  broker: {{url: \"{amqp}\"}}\n  source: {{queue: {dlq}}}\n  quarantine: {{queue: {q}}}\n  canary: {{enabled: false}}\n  idempotency:\n    mode: {mode}\n    key: {{fields: [{{pointer: /id}}], prefix: \"{idem}\"}}\n{rate_line}",
+            amqp = self.amqp,
+            dlq = topo.dlq,
+            q = topo.quarantine,
+        );
+        dlq_replay::manifest::parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        let file = self.tmp.path().join(format!("{scenario}.yaml"));
+        std::fs::write(&file, &text).expect("manifest");
+
+        // With a rate: a consumer on the target queue timestamps every arrival.
+        let arrivals = match rate {
+            Some(_) => Some(self.arrival_clock(&topo.work, n).await),
+            None => None,
+        };
+        let rss_file = self.tmp.path().join(format!("{scenario}.rss"));
+        let mut cmd = if self.time_rss {
+            let mut c = tokio::process::Command::new("/usr/bin/time");
+            c.arg("-f")
+                .arg("%M %U %S")
+                .arg("-o")
+                .arg(&rss_file)
+                .arg(&self.bin);
+            c
+        } else {
+            tokio::process::Command::new(&self.bin)
+        };
+        cmd.args(["run", "-f"])
+            .arg(&file)
+            .args(["--no-progress", "-o", "json"])
+            .args(&self.run_args)
+            .env("REDIS_URL", &self.redis_url)
+            .env_remove("AMQP_URL")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let usage0 = self.cpu();
+        let started = Instant::now();
+        let child = cmd.spawn().expect("spawn dlq-replay");
+        let pid = child.id();
+        let hwm = (!self.time_rss).then(|| tokio::spawn(poll_hwm(pid.unwrap_or(0))));
+        let out = tokio::time::timeout(
+            Duration::from_secs(600 + n as u64 / 50),
+            child.wait_with_output(),
+        )
+        .await
+        .expect("dlq-replay timed out")
+        .expect("dlq-replay output");
+        let wall = started.elapsed().as_secs_f64();
+        let usage = self.cpu() - usage0;
+        let (rss_kib, cpu) = if self.time_rss {
+            parse_time(&std::fs::read_to_string(&rss_file).unwrap_or_default())
+        } else {
+            (hwm.expect("hwm").await.ok().flatten(), None)
+        };
+        let arrivals = match arrivals {
+            Some(h) => match tokio::time::timeout(Duration::from_secs(30), h).await {
+                Ok(Ok(v)) => v
+                    .into_iter()
+                    .map(|t| t.duration_since(started).as_secs_f64())
+                    .collect(),
+                _ => Vec::new(),
+            },
+            None => Vec::new(),
+        };
+
+        // Check what happened: every message is a replay or a duplicate, and the target got them.
+        let status: Value = serde_json::from_slice::<Value>(&out.stdout)
+            .ok()
+            .and_then(|v| v.get("status").cloned())
+            .unwrap_or(Value::Null);
+        let count = |k: &str| status["counts"][k].as_u64().unwrap_or(u64::MAX);
+        let (replayed, dups) = (count("replayed"), count("duplicates"));
+        let ch = self.channel().await;
+        let target = self.depth(&ch, &topo.work).await as u64;
+        let _ = ch.close(200, "ok".into()).await;
+        let expected_target = if rate.is_some() { 0 } else { replayed };
+        if !out.status.success()
+            || status["phase"] != "Done"
+            || replayed + dups != n as u64
+            || dups != done as u64
+            || target != expected_target
+        {
+            self.problems.push(format!(
+                "{prefix}: exit {:?}, phase {}, replayed {replayed}, duplicates {dups} (expected {done}), target holds {target}; stderr: {}",
+                out.status.code(),
+                status["phase"],
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        if rate.is_some() && arrivals.len() != n {
+            self.problems.push(format!(
+                "{prefix}: the consumer saw {} of {n} arrivals",
+                arrivals.len()
+            ));
+        }
+        self.drop_topology(&topo, &[]).await;
+        self.forget(&idem, &name).await;
+        let run = Run {
+            n,
+            wall,
+            rss_kib,
+            cpu,
+            usage,
+        };
+        let cpu_text = run
+            .cpu
+            .map(|(u, s)| format!("user {u:.2}s sys {s:.2}s ({:.2} CPU/s)", (u + s) / wall))
+            .unwrap_or_else(|| "cpu n/a".into());
+        println!(
+            "  {scenario} ({mode}{}): {wall:.2}s, {:.0} msg/s, replayed {replayed}, duplicates {dups}, peak RSS {}, {cpu_text}; broker {:.2} CPU/s, Redis {:.2} CPU/s; {}",
+            rate.map(|r| format!(", {r}/s")).unwrap_or_default(),
+            run.rate(),
+            rss_text(run.rss_kib),
+            run.usage.broker / wall,
+            run.usage.redis / wall,
+            run.machine_text()
+        );
+        (run, arrivals)
+    }
+
+    /// One rate-limited replay; returns its row of the rate table.
+    async fn rate(&mut self, count: usize, limit: u32) -> String {
+        let (run, arrivals) = self
+            .replay(&format!("rate{limit}"), count, "Check", Some(limit))
+            .await;
+        let label = format!("{limit}/s");
+        if arrivals.len() < 2 {
+            return format!("{label:<8} {count:>6} (no arrivals measured)");
+        }
+        let first = arrivals[0];
+        let last = arrivals[arrivals.len() - 1];
+        let achieved = (arrivals.len() - 1) as f64 / (last - first);
+        let over = |w: usize| format!("{w} ({:+.1} %)", (w as f64 / limit as f64 - 1.0) * 100.0);
+        let worst = worst_window(&arrivals, 1.0);
+        let first_window = arrivals.iter().filter(|&&t| t < first + 1.0).count();
+        let later: Vec<f64> = arrivals
+            .iter()
+            .copied()
+            .filter(|&t| t >= first + 1.0)
+            .collect();
+        format!(
+            "{label:<8} {:>6} {achieved:>14.1} {:>18} {first_window:>16} {:>20} {:>10.2}s {:>12.2}s",
+            arrivals.len(),
+            over(worst),
+            over(worst_window(&later, 1.0)),
+            last - first,
+            run.wall
+        )
+    }
+
+    /// A consumer on `queue` that returns the arrival instants of `n` messages.
+    async fn arrival_clock(&self, queue: &str, n: usize) -> tokio::task::JoinHandle<Vec<Instant>> {
+        let ch = self.channel().await;
+        ch.basic_qos(1000, BasicQosOptions::default())
+            .await
+            .expect("qos");
+        let mut consumer = ch
+            .basic_consume(
+                queue.into(),
+                "bench-arrivals".into(),
+                BasicConsumeOptions {
+                    no_ack: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("consume");
+        tokio::spawn(async move {
+            let mut seen = Vec::with_capacity(n);
+            while seen.len() < n {
+                match tokio::time::timeout(Duration::from_secs(60), consumer.next()).await {
+                    Ok(Some(Ok(_))) => seen.push(Instant::now()),
+                    _ => break,
+                }
+            }
+            let _ = ch.close(200, "ok".into()).await;
+            seen
+        })
+    }
+
+    /// Mark the key of every tenth job done; returns how many.
+    async fn mark_done(&mut self, idem: &str, n: usize) -> usize {
+        let ids: Vec<String> = (0..n).step_by(10).map(job_id).collect();
+        for chunk in ids.chunks(1000) {
+            let mut p = redis::pipe();
+            for id in chunk {
+                p.cmd("SET")
+                    .arg(key_of(idem, id))
+                    .arg("done")
+                    .arg("EX")
+                    .arg(3600)
+                    .ignore();
+            }
+            p.query_async::<()>(&mut self.redis).await.expect("SET");
+        }
+        ids.len()
+    }
+
+    /// Delete the run's idempotency keys and the replay's state, audit and settled keys.
+    async fn forget(&mut self, idem: &str, name: &str) {
+        for pattern in [
+            format!("{idem}*"),
+            format!("dlq:*:{NAMESPACE}/{name}"),
+            format!("dlq:*:{NAMESPACE}/{name}/*"),
+        ] {
+            let mut cursor: u64 = 0;
+            loop {
+                let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+                    .arg(cursor)
+                    .arg("MATCH")
+                    .arg(&pattern)
+                    .arg("COUNT")
+                    .arg(5000)
+                    .query_async(&mut self.redis)
+                    .await
+                    .expect("SCAN");
+                if !keys.is_empty() {
+                    redis::cmd("UNLINK")
+                        .arg(&keys)
+                        .query_async::<()>(&mut self.redis)
+                        .await
+                        .expect("UNLINK");
+                }
+                if next == 0 {
+                    break;
+                }
+                cursor = next;
+            }
+        }
+    }
+}
+
+async fn header(b: &Bench, args: &[String], n: usize, reps: usize, mem: bool) {
+    println!("# dlq-replay benchmark");
+    println!(
+        "date: {}",
+        chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+    );
+    let via = if std::env::var_os("MAKELEVEL").is_some() {
+        " (via make bench)"
+    } else {
+        ""
+    };
+    println!("command: {}{via}", args.join(" "));
+    let env: Vec<String> = ["BENCH_N", "BENCH_REPS", "BENCH_MEM", "BENCH_RUN_ARGS"]
+        .iter()
+        .map(|k| {
+            format!(
+                "{k}={}",
+                std::env::var(k).unwrap_or_else(|_| "(unset)".into())
+            )
+        })
+        .collect();
+    println!("environment: {}", env.join(" "));
+    println!(
+        "settings: N={n} reps={reps} memory-100k={mem} run-id={}",
+        b.run_id
+    );
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into());
+    let mem_total = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .next()
+                .map(|l| l.split_whitespace().nth(1).unwrap_or("?").to_string())
+        })
+        .and_then(|kb| kb.parse::<u64>().ok())
+        .map(|kb| format!("{:.1} GiB", kb as f64 / 1048576.0))
+        .unwrap_or_else(|| "?".into());
+    println!(
+        "machine: nproc={} cpu=\"{cpu}\" memory={mem_total} kernel={}",
+        nproc(),
+        cmd_out("uname", &["-r"]).trim()
+    );
+    let mut r = b.redis.clone();
+    let info: String = redis::cmd("INFO")
+        .arg("server")
+        .query_async(&mut r)
+        .await
+        .unwrap_or_default();
+    let redis_v = info
+        .lines()
+        .find_map(|l| l.strip_prefix("redis_version:"))
+        .unwrap_or("?")
+        .trim()
+        .to_string();
+    println!(
+        "services: RabbitMQ {} (pid {:?}), Redis {redis_v} (pid {:?})",
+        cmd_out("rabbitmqctl", &["-q", "version"]).trim(),
+        b.broker_pid,
+        b.redis_pid
+    );
+    let commit = cmd_out("git", &["rev-parse", "--short", "HEAD"]);
+    let dirty = !cmd_out("git", &["status", "--porcelain"]).trim().is_empty();
+    println!(
+        "dlq-replay: {} at {}{}",
+        b.bin.display(),
+        commit.trim(),
+        if dirty {
+            " (work tree has uncommitted changes)"
+        } else {
+            ""
+        }
+    );
+    println!(
+        "replay command: {}{} run -f <manifest> --no-progress -o json{}  (REDIS_URL={}, manifest: spec.broker.url, idempotency key /id, canary: {{enabled: false}}, audit on)",
+        if b.time_rss { "/usr/bin/time -f '%M %U %S' -o <file> " } else { "" },
+        b.bin.display(),
+        b.run_args.iter().map(|a| format!(" {a}")).collect::<String>(),
+        b.redis_url
+    );
+    println!(
+        "peak RSS from: {}",
+        if b.time_rss {
+            "/usr/bin/time %M (getrusage maxrss of the dlq-replay process)"
+        } else {
+            "VmHWM in /proc/<pid>/status, polled every 5 ms"
+        }
+    );
+    println!("clocks: dlq-replay = process spawn to exit (connects, drains, writes its final status); shovel = set_parameter returned (or first message moved, if earlier) until source empty and destination holding N, depths polled every 10 ms over AMQP");
+}
+
+fn enable_shovel() {
+    let enabled = cmd_out("rabbitmq-plugins", &["-q", "list", "-e", "-m"]);
+    if enabled.lines().any(|l| l.trim() == "rabbitmq_shovel") {
+        println!("rabbitmq_shovel: already enabled");
+        return;
+    }
+    let t = Instant::now();
+    let st = std::process::Command::new("rabbitmq-plugins")
+        .args(["-q", "enable", "rabbitmq_shovel"])
+        .stdout(Stdio::null())
+        .status()
+        .expect("rabbitmq-plugins");
+    assert!(
+        st.success(),
+        "rabbitmq-plugins enable rabbitmq_shovel failed"
+    );
+    println!(
+        "rabbitmq_shovel: enabled now ({:.1}s)",
+        t.elapsed().as_secs_f64()
+    );
+}
+
+fn job_id(i: usize) -> String {
+    format!("bench-{i:07}")
+}
+
+/// The bench jobs: `{"id": ..., "attempt": ..., "padding": ...}` of about BODY_BYTES bytes.
+fn jobs(n: usize) -> Vec<(BasicProperties, Vec<u8>)> {
+    (0..n)
+        .map(|i| {
+            let id = job_id(i);
+            let base = json!({"id": id, "kind": "bench", "padding": ""})
+                .to_string()
+                .len();
+            let padding: String = (0..BODY_BYTES.saturating_sub(base))
+                .map(|k| (b'a' + ((i + k) % 26) as u8) as char)
+                .collect();
+            fixture::job(
+                &id,
+                json!({"id": id, "kind": "bench", "padding": padding}),
+                "TimeoutError",
+            )
+        })
+        .collect()
+}
+
+/// Most arrivals in any window `[t, t + width)` that starts at an arrival.
+fn worst_window(times: &[f64], width: f64) -> usize {
+    let mut best = 0;
+    let mut j = 0;
+    for i in 0..times.len() {
+        while j < times.len() && times[j] < times[i] + width {
+            j += 1;
+        }
+        best = best.max(j - i);
+    }
+    best
+}
+
+fn median(values: impl Iterator<Item = f64>) -> f64 {
+    let mut v: Vec<f64> = values.collect();
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
+}
+
+fn table_row(name: &str, runs: &[Run], shovel_median: f64) {
+    let rates: Vec<f64> = runs.iter().map(Run::rate).collect();
+    let min = rates.iter().cloned().fold(f64::INFINITY, f64::min);
+    let max = rates.iter().cloned().fold(0.0, f64::max);
+    let med = median(rates.iter().cloned());
+    let wall = median(runs.iter().map(|r| r.wall));
+    let rss: Vec<u64> = runs.iter().filter_map(|r| r.rss_kib).collect();
+    let (rss_med, rss_range) = if rss.is_empty() {
+        ("-".to_string(), "-".to_string())
+    } else {
+        let med = median(rss.iter().map(|&k| k as f64)) as u64;
+        (
+            rss_text(Some(med)),
+            format!(
+                "{:.1}-{:.1} MiB",
+                *rss.iter().min().unwrap() as f64 / 1024.0,
+                *rss.iter().max().unwrap() as f64 / 1024.0
+            ),
+        )
+    };
+    let proc_cpu = median(
+        runs.iter()
+            .filter_map(|r| r.cpu.map(|c| (c.0 + c.1) / r.wall)),
+    );
+    let broker = median(runs.iter().map(|r| r.usage.broker / r.wall));
+    let other = median(runs.iter().map(|r| r.other() / r.wall));
+    println!(
+        "{:<19} {:>4} {:>12.0} {:>13} {:>10.2}s {:>9} {:>14} {:>14} {:>10} {:>12.2} {:>11.2}",
+        name,
+        runs.len(),
+        med,
+        format!("{min:.0}-{max:.0}"),
+        wall,
+        format!("{:.2}x", med / shovel_median),
+        rss_med,
+        rss_range,
+        if proc_cpu.is_nan() {
+            "-".to_string()
+        } else {
+            format!("{proc_cpu:.2}")
+        },
+        broker,
+        other
+    );
+}
+
+fn rss_text(kib: Option<u64>) -> String {
+    kib.map(|k| format!("{:.1} MiB", k as f64 / 1024.0))
+        .unwrap_or_else(|| "n/a".into())
+}
+
+/// `%M %U %S` as written by /usr/bin/time: peak RSS (KiB), user and system seconds.
+fn parse_time(text: &str) -> (Option<u64>, Option<(f64, f64)>) {
+    // A child killed by a signal makes time write a "Command terminated" line first.
+    let line = text.lines().last().unwrap_or("");
+    let f: Vec<&str> = line.split_whitespace().collect();
+    let rss = f.first().and_then(|v| v.parse().ok());
+    let cpu = match (
+        f.get(1).and_then(|v| v.parse().ok()),
+        f.get(2).and_then(|v| v.parse().ok()),
+    ) {
+        (Some(u), Some(s)) => Some((u, s)),
+        _ => None,
+    };
+    (rss, cpu)
+}
+
+/// Does `/usr/bin/time -f %M -o file` report a peak RSS here?
+fn time_works(dir: &Path) -> bool {
+    let out = dir.join("probe.time");
+    let ok = std::process::Command::new("/usr/bin/time")
+        .arg("-f")
+        .arg("%M %U %S")
+        .arg("-o")
+        .arg(&out)
+        .arg("true")
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    ok && parse_time(&std::fs::read_to_string(&out).unwrap_or_default())
+        .0
+        .is_some_and(|k| k > 0)
+}
+
+/// The last VmHWM (KiB) seen in /proc/<pid>/status before the process went away.
+async fn poll_hwm(pid: u32) -> Option<u64> {
+    let mut last = None;
+    loop {
+        let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+            return last;
+        };
+        let hwm = s
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok());
+        match hwm {
+            Some(h) => last = Some(h),
+            None => return last, // a zombie has no memory lines
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Busy and iowait clock ticks of all cores, from the first line of /proc/stat.
+fn machine_cpu() -> (f64, f64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let f: Vec<f64> = stat
+        .lines()
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .skip(1)
+        .map(|v| v.parse().unwrap_or(0.0))
+        .collect();
+    let get = |i: usize| f.get(i).copied().unwrap_or(0.0);
+    // user nice system idle iowait irq softirq steal (guest time is inside user already)
+    (get(0) + get(1) + get(2) + get(5) + get(6) + get(7), get(4))
+}
+
+/// utime + stime of a process, in clock ticks.
+fn proc_cpu(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // After the comm: state is field 3, utime 14 and stime 15 (1-based over the whole line).
+    let get = |i: usize| {
+        f.get(i - 3)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    get(14) + get(15)
+}
+
+/// The longest-running process of that name (the server, not a CLI's own VM).
+fn oldest_process(comm: &str) -> Option<u32> {
+    let mut best: Option<(u64, u32)> = None;
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if std::fs::read_to_string(format!("/proc/{pid}/comm"))
+            .map(|c| c.trim() != comm)
+            .unwrap_or(true)
+        {
+            continue;
+        }
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+        let start: u64 = rest
+            .split_whitespace()
+            .nth(22 - 3)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(u64::MAX);
+        if best.is_none_or(|(s, _)| start < s) {
+            best = Some((start, pid));
+        }
+    }
+    best.map(|(_, p)| p)
+}
+
+fn nproc() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(0)
+}
+
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.replace(['_', ','], "").parse().ok())
+        .unwrap_or(default)
+}
+
+fn cmd_out(cmd: &str, args: &[&str]) -> String {
+    std::process::Command::new(cmd)
+        .args(args)
+        .stderr(Stdio::null())
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default()
+}
