@@ -939,7 +939,7 @@ impl<'a> Drain<'a> {
             .source
             .as_mut()
             .ok_or_else(|| Error::Broker("source closed".into()))?;
-        src.ack(&acks).await?;
+        src.ack(&acks, held == 0).await?;
         let fits = src.hold(held).await?;
         add(&mut self.status.counts, &delta);
         if let Some(a) = self.status.audit.as_mut() {

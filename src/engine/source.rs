@@ -129,7 +129,19 @@ impl Source {
     }
 
     /// Acknowledge settled messages.
-    pub async fn ack(&self, tags: &[u64]) -> Result<(), Error> {
+    ///
+    /// With nothing held, every delivery up to the batch's last tag is settled (batches are
+    /// decided in delivery order), so one `multiple` ack covers the batch: one frame, not one
+    /// per message.
+    pub async fn ack(&self, tags: &[u64], batch_holds_nothing: bool) -> Result<(), Error> {
+        if self.held == 0 && batch_holds_nothing {
+            if let Some(last) = tags.iter().max() {
+                self.channel
+                    .basic_ack(*last, BasicAckOptions { multiple: true })
+                    .await?;
+            }
+            return Ok(());
+        }
         for tag in tags {
             self.channel
                 .basic_ack(*tag, BasicAckOptions::default())
