@@ -353,34 +353,17 @@ async fn returns_while_draining_above_the_ratio_stop_the_replay() {
     )
     .await;
     // The canary (r00) goes through; then half the jobs die again: the fix covers only some.
-    let ch = w.conn.create_channel().await.unwrap();
-    let mut consumer = ch
-        .basic_consume(
-            w.topo.work.as_str().into(),
-            "half-broken".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    tokio::spawn(async move {
-        while let Some(Ok(d)) = consumer.next().await {
+    let _worker = w
+        .worker(|d| {
             let id = d
                 .properties
                 .message_id()
                 .as_ref()
                 .map(|m| m.to_string())
                 .unwrap_or_default();
-            let odd = id.trim_start_matches('r').parse::<u32>().unwrap_or(0) % 2 == 1;
-            if odd {
-                d.reject(BasicRejectOptions { requeue: false })
-                    .await
-                    .unwrap();
-            } else {
-                d.ack(BasicAckOptions::default()).await.unwrap();
-            }
-        }
-    });
+            id.trim_start_matches('r').parse::<u32>().unwrap_or(0) % 2 == 1
+        })
+        .await;
     let spec = format!(
         "{}  rate: {{messagesPerSecond: 20}}\n",
         canary_spec(&w, ", maxReturnRatio: 0.2")

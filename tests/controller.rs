@@ -418,24 +418,7 @@ async fn a_canary_that_dies_again_ends_canary_failed(c: &Cluster) {
     w.dead_letter((0..6).map(|i| job(&format!("c{i}"), json!({}))).collect())
         .await;
     // A worker that still fails every job.
-    let ch = w.conn.create_channel().await.unwrap();
-    let mut consumer = ch
-        .basic_consume(
-            w.topo.work.as_str().into(),
-            "still-broken".into(),
-            Default::default(),
-            Default::default(),
-        )
-        .await
-        .unwrap();
-    tokio::spawn(async move {
-        use futures::StreamExt;
-        while let Some(Ok(d)) = consumer.next().await {
-            let _ = d
-                .reject(lapin::options::BasicRejectOptions { requeue: false })
-                .await;
-        }
-    });
+    let _worker = w.worker(|_| true).await;
     secrets(c).await;
     let (_op, _stop) = operator(c);
     let api = replays(c);

@@ -6,8 +6,7 @@ mod support;
 use std::time::Duration;
 
 use dlq_replay::api::Phase;
-use futures::StreamExt;
-use lapin::options::{BasicConsumeOptions, BasicRejectOptions, QueueDeclareOptions};
+use lapin::options::QueueDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable};
 use serde_json::json;
 use support::*;
@@ -53,21 +52,7 @@ async fn poison_that_keeps_dying_is_quarantined_by_the_next_replay() {
     w.dead_letter((0..3).map(|i| job(&format!("p{i}"), json!({}))).collect())
         .await;
     // A worker that still fails these jobs.
-    let ch = w.conn.create_channel().await.unwrap();
-    let mut consumer = ch
-        .basic_consume(
-            w.topo.work.as_str().into(),
-            "still-failing".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    tokio::spawn(async move {
-        while let Some(Ok(d)) = consumer.next().await {
-            let _ = d.reject(BasicRejectOptions { requeue: false }).await;
-        }
-    });
+    let _worker = w.worker(|_| true).await;
     let first = w.run(&w.manifest("  poison: {maxDeathCount: 1}\n")).await;
     assert_eq!(first.counts.replayed, 3);
     tokio::time::sleep(Duration::from_millis(500)).await;

@@ -232,3 +232,35 @@ pub fn assert_sum(status: &DlqReplayStatus) {
         "{c:?}"
     );
 }
+
+impl World {
+    /// A worker on the work queue that rejects (into the DLQ, without requeue) the jobs for
+    /// which `fails` holds and acks the rest: a fix that is missing, or covers only some jobs.
+    pub async fn worker(
+        &self,
+        fails: impl Fn(&Delivery) -> bool + Send + 'static,
+    ) -> tokio::task::JoinHandle<()> {
+        use futures::StreamExt;
+        use lapin::options::{BasicConsumeOptions, BasicRejectOptions};
+        let ch = self.conn.create_channel().await.unwrap();
+        let mut consumer = ch
+            .basic_consume(
+                self.topo.work.as_str().into(),
+                "test-worker".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        tokio::spawn(async move {
+            let _keep = ch;
+            while let Some(Ok(d)) = consumer.next().await {
+                if fails(&d) {
+                    let _ = d.reject(BasicRejectOptions { requeue: false }).await;
+                } else {
+                    let _ = d.ack(BasicAckOptions::default()).await;
+                }
+            }
+        })
+    }
+}
