@@ -17,16 +17,15 @@ use dlq_replay::api::{DlqReplay, DlqReplayStatus, Phase};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, ObjectReference, Secret};
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{
     Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams,
 };
 use kube::runtime::{finalizer, watcher};
 use kube::{Client, Resource, ResourceExt};
 use serde_json::{json, Value};
+use support::cluster::e2e_namespace;
 use support::fake_api::FakeApi;
 
-const SKIP: &str = "SKIPPED: E2E=1 and KUBECONFIG not set";
 const MANAGER: &str = "dlq-replay-conformance";
 const FINALIZER: &str = "replay.dlq.dev/conformance";
 
@@ -50,32 +49,7 @@ impl Env {
     /// A fresh namespace of the cluster `KUBECONFIG` points at, with the CRD applied; `None` (and
     /// a SKIPPED line on stderr) unless `E2E=1` and `KUBECONFIG` are set.
     async fn real(test: &str) -> Option<Env> {
-        let e2e = std::env::var("E2E").is_ok_and(|v| v == "1");
-        let kubeconfig = std::env::var("KUBECONFIG").is_ok_and(|v| !v.is_empty());
-        if !(e2e && kubeconfig) {
-            // Straight to the process's stderr, past the test harness's capture.
-            let _ = writeln!(std::io::stderr(), "e2e::{test}: {SKIP}");
-            return None;
-        }
-        let client = Client::try_default()
-            .await
-            .expect("kube client from KUBECONFIG");
-        apply_crd(&client).await;
-        let ns = format!(
-            "dlq-conf-{}-{}",
-            test.replace('_', "-").chars().take(40).collect::<String>(),
-            &uuid::Uuid::new_v4().simple().to_string()[..6]
-        );
-        let namespace: Namespace =
-            serde_json::from_value(json!({"metadata": {"name": ns}})).unwrap();
-        Api::<Namespace>::all(client.clone())
-            .create(&PostParams::default(), &namespace)
-            .await
-            .expect("create test namespace");
-        let _ = writeln!(
-            std::io::stderr(),
-            "e2e::{test}: running against the real cluster in namespace {ns}"
-        );
+        let (client, ns) = e2e_namespace(test, "dlq-conf").await?;
         Some(Env {
             client,
             ns,
@@ -130,30 +104,6 @@ impl Env {
             .delete(&self.ns, &DeleteParams::default())
             .await;
     }
-}
-
-async fn apply_crd(client: &Client) {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/crds/dlqreplay.yaml");
-    let text = std::fs::read_to_string(path).expect("crds/dlqreplay.yaml");
-    let crd: CustomResourceDefinition = serde_yaml::from_str(&text).expect("CRD yaml");
-    let crds = Api::<CustomResourceDefinition>::all(client.clone());
-    crds.patch(
-        &crd.name_any(),
-        &PatchParams::apply(MANAGER).force(),
-        &Patch::Apply(&crd),
-    )
-    .await
-    .expect("apply CRD");
-    let established = eventually(Duration::from_secs(60), || async {
-        let crd = crds.get(&crd.name_any()).await.ok()?;
-        crd.status?
-            .conditions?
-            .iter()
-            .any(|c| c.type_ == "Established" && c.status == "True")
-            .then_some(())
-    })
-    .await;
-    assert!(established.is_some(), "CRD not Established within 60s");
 }
 
 /// Polls `f` until it answers `Some`, or `None` after `limit`.

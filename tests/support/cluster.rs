@@ -56,36 +56,7 @@ impl Cluster {
     /// server-side applied and Established first; `None` (and a SKIPPED line on stderr) unless
     /// `E2E=1` and `KUBECONFIG` are set.
     pub async fn real(test: &str) -> Option<Cluster> {
-        let e2e = std::env::var("E2E").is_ok_and(|v| v == "1");
-        let kubeconfig = std::env::var("KUBECONFIG").is_ok_and(|v| !v.is_empty());
-        if !(e2e && kubeconfig) {
-            // Straight to the process's stderr, past the test harness's capture.
-            let _ = writeln!(std::io::stderr(), "e2e::{test}: {SKIP}");
-            return None;
-        }
-        let client = Client::try_default()
-            .await
-            .expect("kube client from KUBECONFIG");
-        apply_crd(&client).await;
-        let ns = format!(
-            "dlq-ctl-{}-{}",
-            test.replace('_', "-")
-                .chars()
-                .take(40)
-                .collect::<String>()
-                .trim_end_matches('-'),
-            &uuid::Uuid::new_v4().simple().to_string()[..6]
-        );
-        let namespace: Namespace =
-            serde_json::from_value(json!({"metadata": {"name": ns}})).expect("namespace");
-        Api::<Namespace>::all(client.clone())
-            .create(&PostParams::default(), &namespace)
-            .await
-            .expect("create test namespace");
-        let _ = writeln!(
-            std::io::stderr(),
-            "e2e::{test}: running against the real cluster in namespace {ns}"
-        );
+        let (client, ns) = e2e_namespace(test, "dlq-ctl").await?;
         Some(Cluster {
             backend: Backend::Real(client),
             ns,
@@ -269,6 +240,43 @@ impl Cluster {
             let _: Result<(), _> = redis::cmd("DEL").arg(&keys).query_async(&mut r).await;
         }
     }
+}
+
+/// The client of the cluster `KUBECONFIG` points at and a fresh namespace `{prefix}-{test}-{hex}`
+/// in it, with `crds/dlqreplay.yaml` applied and Established; `None` (and a SKIPPED line on
+/// stderr) unless `E2E=1` and `KUBECONFIG` are set.
+pub async fn e2e_namespace(test: &str, prefix: &str) -> Option<(Client, String)> {
+    let e2e = std::env::var("E2E").is_ok_and(|v| v == "1");
+    let kubeconfig = std::env::var("KUBECONFIG").is_ok_and(|v| !v.is_empty());
+    if !(e2e && kubeconfig) {
+        // Straight to the process's stderr, past the test harness's capture.
+        let _ = writeln!(std::io::stderr(), "e2e::{test}: {SKIP}");
+        return None;
+    }
+    let client = Client::try_default()
+        .await
+        .expect("kube client from KUBECONFIG");
+    apply_crd(&client).await;
+    let ns = format!(
+        "{prefix}-{}-{}",
+        test.replace('_', "-")
+            .chars()
+            .take(40)
+            .collect::<String>()
+            .trim_end_matches('-'),
+        &uuid::Uuid::new_v4().simple().to_string()[..6]
+    );
+    let namespace: Namespace =
+        serde_json::from_value(json!({"metadata": {"name": ns}})).expect("namespace");
+    Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &namespace)
+        .await
+        .expect("create test namespace");
+    let _ = writeln!(
+        std::io::stderr(),
+        "e2e::{test}: running against the real cluster in namespace {ns}"
+    );
+    Some((client, ns))
 }
 
 /// Server-side applies `crds/dlqreplay.yaml` and waits (up to 60 s) until it is Established.
