@@ -400,11 +400,7 @@ async fn an_operator_restart_mid_drain_resumes_and_loses_nothing(c: &Cluster) {
     let s = r.status.unwrap();
     assert_eq!(s.replay_id, id, "a restart must resume the same replay");
     let target = w.take(&w.topo.work).await;
-    let keys: std::collections::BTreeSet<_> = target
-        .iter()
-        .filter_map(|m| header(m, "x-idempotency-key"))
-        .collect();
-    assert_eq!(keys.len(), target.len(), "a key was published twice");
+    assert_each_key_once(&target);
     assert_eq!(
         target.len() as u64 + w.depth(&w.topo.quarantine).await as u64,
         60,

@@ -186,12 +186,7 @@ async fn claim_mode_publishes_each_key_once_and_respects_other_claims() {
     let c = status.counts;
     assert_eq!((c.replayed, c.duplicates, c.failed), (10, 3, 0), "{c:?}");
     let target = w.take(&w.topo.work).await;
-    let keys: Vec<String> = target
-        .iter()
-        .filter_map(|m| header(m, "x-idempotency-key"))
-        .collect();
-    let unique: BTreeSet<&String> = keys.iter().collect();
-    assert_eq!(keys.len(), unique.len(), "a key was published twice");
+    assert_each_key_once(&target);
     assert_eq!(
         dlq_replay::metrics::Metrics::global()
             .double_published

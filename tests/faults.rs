@@ -124,11 +124,7 @@ async fn a_closed_broker_connection_stops_the_replay_and_the_rerun_finishes_it()
     let done = w.run(&resource).await;
     assert_eq!(done.phase, Some(Phase::Done), "{done:?}");
     let target = w.take(&w.topo.work).await;
-    let keys: std::collections::BTreeSet<_> = target
-        .iter()
-        .filter_map(|m| header(m, "x-idempotency-key"))
-        .collect();
-    assert_eq!(keys.len(), target.len(), "a key was published twice");
+    assert_each_key_once(&target);
     let quarantined = w.take(&w.topo.quarantine).await;
     assert!(quarantined.iter().all(|m| header(m, "x-quarantine-reason")
         .unwrap()

@@ -224,6 +224,19 @@ pub fn job(id: &str, extra: serde_json::Value) -> (BasicProperties, Vec<u8>) {
     fixture::job(id, body, "TimeoutError")
 }
 
+/// Every message of the target carries an idempotency key, and no key is there twice.
+pub fn assert_each_key_once(target: &[Seen]) {
+    let keys: std::collections::BTreeSet<String> = target
+        .iter()
+        .filter_map(|m| header(m, "x-idempotency-key"))
+        .collect();
+    assert_eq!(
+        keys.len(),
+        target.len(),
+        "a key was published twice (or a message has no key)"
+    );
+}
+
 pub fn assert_sum(status: &DlqReplayStatus) {
     let c = status.counts;
     assert_eq!(
