@@ -132,17 +132,8 @@ pub async fn send(
     for c in &mut cands {
         c.messages = counts.get(&c.signature).copied().unwrap_or(0);
     }
-    let watch = publish_canaries(
-        &ch,
-        spec,
-        replay_id,
-        claim_value,
-        publisher,
-        store,
-        cands,
-        depth,
-    )
-    .await?;
+    let watch =
+        publish_canaries(&ch, spec, replay_id, claim_value, publisher, store, cands).await?;
     // Everything but the canaries goes back in place.
     ch.close(200, "canaries out".into()).await?;
     let mut watch = watch;
@@ -217,7 +208,6 @@ async fn publish_canaries(
     publisher: &mut Publisher,
     store: &mut Store,
     cands: Vec<Candidate>,
-    _depth: u32,
 ) -> Result<Watch, Error> {
     publisher.ensure_open().await?;
     let claiming = spec

@@ -7,7 +7,7 @@ use serde_json::Value;
 
 use crate::api::{DlqReplaySpec, KeySpec, PayloadMatch, PoisonSpec, SelectorSpec};
 use crate::engine::key;
-use crate::engine::message::{self, REPLAY_ID};
+use crate::engine::message::{self, Death, REPLAY_ID};
 
 /// Why a message stays in the dead-letter queue.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -92,10 +92,12 @@ pub fn classify(rules: &Rules<'_>, props: &BasicProperties, body: &[u8]) -> Verd
     } else {
         None
     };
-    if let Some(why) = unselected(rules.selector, props, json.as_ref()) {
+    // Read x-death once: the selector, the poison gate and the destination all need it.
+    let deaths = message::deaths(props);
+    if let Some(why) = unselected(rules.selector, props, deaths.first(), json.as_ref()) {
         return Verdict::Skip(SkipReason::NotSelected(why));
     }
-    if let Some(reason) = poison(rules, props, body, json.as_ref()) {
+    if let Some(reason) = poison(rules, props, &deaths, body, json.as_ref()) {
         return Verdict::Poison(reason);
     }
     let key = match (rules.key, &json) {
@@ -106,7 +108,7 @@ pub fn classify(rules: &Rules<'_>, props: &BasicProperties, body: &[u8]) -> Verd
             Err(e) => return Verdict::Poison(e.to_string()),
         },
     };
-    match destination(rules.target, props) {
+    match destination(rules.target, deaths.first()) {
         Some(destination) => Verdict::Replay { key, destination },
         None => Verdict::Poison(
             "NoDestination: no x-death entry names the original exchange; set spec.target".into(),
@@ -115,10 +117,14 @@ pub fn classify(rules: &Rules<'_>, props: &BasicProperties, body: &[u8]) -> Verd
 }
 
 /// Why a message is not selected, or `None` when it is.
-fn unselected(sel: &SelectorSpec, props: &BasicProperties, json: Option<&Value>) -> Option<String> {
-    let last = message::deaths(props).into_iter().next();
+fn unselected(
+    sel: &SelectorSpec,
+    props: &BasicProperties,
+    last: Option<&Death>,
+    json: Option<&Value>,
+) -> Option<String> {
     if !sel.death_reasons.is_empty() {
-        let reason = last.as_ref().map(|d| d.reason.as_str()).unwrap_or("");
+        let reason = last.map(|d| d.reason.as_str()).unwrap_or("");
         if !sel.death_reasons.iter().any(|r| r == reason) {
             return Some(format!(
                 "death reason {reason:?} not in selector.deathReasons"
@@ -126,7 +132,7 @@ fn unselected(sel: &SelectorSpec, props: &BasicProperties, json: Option<&Value>)
         }
     }
     if !sel.original_queues.is_empty() {
-        let queue = last.as_ref().map(|d| d.queue.as_str()).unwrap_or("");
+        let queue = last.map(|d| d.queue.as_str()).unwrap_or("");
         if !sel.original_queues.iter().any(|q| q == queue) {
             return Some(format!("queue {queue:?} not in selector.originalQueues"));
         }
@@ -159,12 +165,13 @@ fn payload_matches(m: &PayloadMatch, json: Option<&Value>) -> bool {
 fn poison(
     rules: &Rules<'_>,
     props: &BasicProperties,
+    deaths: &[Death],
     body: &[u8],
     json: Option<&Value>,
 ) -> Option<String> {
     let p = rules.poison;
     if let Some(max) = p.max_death_count {
-        let n = message::death_count(props);
+        let n = message::death_count_of(deaths, props);
         if n > max {
             return Some(format!(
                 "MaxDeathCount: died {n} times, more than maxDeathCount {max}"
@@ -213,19 +220,15 @@ fn not_json(body: &[u8]) -> String {
 }
 
 /// The destination of a replayed message: the overrides, else its most recent death's origin.
-pub fn destination(
-    target: &crate::api::TargetSpec,
-    props: &BasicProperties,
-) -> Option<Destination> {
-    let last = message::deaths(props).into_iter().next();
+pub fn destination(target: &crate::api::TargetSpec, last: Option<&Death>) -> Option<Destination> {
     let exchange = target
         .exchange
         .clone()
-        .or_else(|| last.as_ref().map(|d| d.exchange.clone()))?;
+        .or_else(|| last.map(|d| d.exchange.clone()))?;
     let routing_key = target
         .routing_key
         .clone()
-        .or_else(|| last.as_ref().and_then(|d| d.routing_keys.first().cloned()))?;
+        .or_else(|| last.and_then(|d| d.routing_keys.first().cloned()))?;
     // AMQP short strings: a longer name cannot be published to, whatever a header claims.
     (exchange.len() <= 255 && routing_key.len() <= 255).then_some(Destination {
         exchange,

@@ -116,7 +116,12 @@ pub fn replay_count(props: &BasicProperties) -> u64 {
 
 /// Dead-letterings so far: every `x-death` count plus the replays that sent it back.
 pub fn death_count(props: &BasicProperties) -> u64 {
-    deaths(props)
+    death_count_of(&deaths(props), props)
+}
+
+/// [`death_count`] for deaths already read.
+pub fn death_count_of(deaths: &[Death], props: &BasicProperties) -> u64 {
+    deaths
         .iter()
         .map(|d| d.count)
         .fold(replay_count(props), u64::saturating_add)

@@ -614,14 +614,10 @@ impl<'a> Drain<'a> {
     }
 
     async fn queue_is_empty(&self) -> Result<bool, Error> {
-        let conn = self.publisher_conn();
+        let conn = self.publisher.connection();
         Ok(source::queue_state(conn, &self.replay.spec.source.queue)
             .await?
             .is_none_or(|s| s.0 == 0))
-    }
-
-    fn publisher_conn(&self) -> &Connection {
-        self.publisher.connection()
     }
 
     /// Decide, settle and acknowledge one batch. Returns false when the held messages no longer

@@ -134,18 +134,8 @@ pub struct Store {
 /// Connect to Redis; the error never repeats the URL.
 pub async fn connect(url: &str) -> Result<ConnectionManager, Error> {
     let client = redis::Client::open(url)
-        .map_err(|e| Error::Redis(format!("bad Redis URL: {}", e.kind_str())))?;
+        .map_err(|e| Error::Redis(format!("bad Redis URL: {:?}", e.kind())))?;
     client.get_connection_manager().await.map_err(Error::from)
-}
-
-trait KindStr {
-    fn kind_str(&self) -> String;
-}
-
-impl KindStr for redis::RedisError {
-    fn kind_str(&self) -> String {
-        format!("{:?}", self.kind())
-    }
 }
 
 impl Store {
