@@ -63,6 +63,10 @@ pub struct OperatorArgs {
     /// Drive replays without leader election (one replica only).
     #[arg(long)]
     pub no_leader_election: bool,
+    /// Seconds a replay that lost its broker or Redis connection keeps reconnecting (with
+    /// backoff) before it ends Failed.
+    #[arg(long, default_value_t = 300)]
+    pub reconnect_timeout: u64,
 }
 
 /// Where the broker and Redis are, when no cluster resolves the Secret references.
@@ -107,6 +111,10 @@ pub struct RunArgs {
     /// many seconds.
     #[arg(long, default_value_t = 600)]
     pub pending_timeout: u64,
+    /// Seconds a replay that lost its broker or Redis connection keeps reconnecting (with
+    /// backoff) before it ends Failed; 0 ends it at the first loss.
+    #[arg(long, default_value_t = 60)]
+    pub reconnect_timeout: u64,
 }
 
 /// `plan` arguments.
@@ -188,7 +196,10 @@ async fn operator(args: OperatorArgs) -> Result<ExitCode, Error> {
         max_concurrent: args.max_concurrent_replays.max(1),
         status_interval: Duration::from_secs(args.status_interval.max(1)),
         instance: args.instance,
-        ..Default::default()
+        engine: Options {
+            reconnect: Duration::from_secs(args.reconnect_timeout),
+            ..Options::default()
+        },
     };
     let metrics = crate::metrics::Metrics::global();
     let http = tokio::spawn(crate::metrics::serve(args.http_addr, metrics.clone()));
@@ -263,6 +274,8 @@ async fn run(args: RunArgs) -> Result<ExitCode, Error> {
     let replay = resolve(&resource, &args.endpoints)?;
     let opts = Options {
         batch: args.batch.max(1),
+        pending_timeout: Some(Duration::from_secs(args.pending_timeout)),
+        reconnect: Duration::from_secs(args.reconnect_timeout),
         ..Options::default()
     };
     let status = run_with_progress(&replay, &opts, !args.no_progress).await?;
@@ -331,7 +344,26 @@ fn draw_status(pb: &ProgressBar, s: &DlqReplayStatus) {
     ));
 }
 
+/// The resource as it may be printed: inline URLs keep their user, host and vhost, not their
+/// password.
+pub fn masked(resource: &DlqReplay) -> DlqReplay {
+    let mut r = resource.clone();
+    let spec = &mut r.spec;
+    let connections = [
+        Some(&mut spec.broker),
+        spec.idempotency.as_mut().and_then(|i| i.redis.as_mut()),
+        spec.audit.as_mut().map(|a| &mut a.redis),
+    ];
+    for c in connections.into_iter().flatten() {
+        if let Some(u) = c.url.as_mut() {
+            *u = crate::redact::url(u);
+        }
+    }
+    r
+}
+
 fn print_resource(resource: &DlqReplay, output: Output) -> Result<(), Error> {
+    let resource = &masked(resource);
     let text = match output {
         Output::Yaml => serde_yaml::to_string(resource).map_err(|e| Error::Io(e.to_string()))?,
         Output::Json => {

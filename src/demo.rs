@@ -111,7 +111,7 @@ pub async fn run(args: DemoArgs) -> Result<ExitCode, Error> {
     resource.status = Some(status.clone());
     print!(
         "{}",
-        serde_yaml::to_string(&resource).map_err(|e| Error::Io(e.to_string()))?
+        serde_yaml::to_string(&cli::masked(&resource)).map_err(|e| Error::Io(e.to_string()))?
     );
     let left = fixture::depth(&ch, &topo.dlq).await?;
     let quarantined = fixture::depth(&ch, &topo.quarantine).await?;

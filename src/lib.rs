@@ -15,6 +15,7 @@ pub mod manifest;
 pub mod metrics;
 pub mod redact;
 pub mod telemetry;
+pub mod tls;
 
 /// What can go wrong outside a single message's decision.
 #[derive(Debug, thiserror::Error)]
@@ -37,11 +38,48 @@ pub enum Error {
     /// Redis failed.
     #[error("redis: {0}")]
     Redis(String),
+    /// A connection to the broker or to Redis was lost (or could not be made again): worth
+    /// reconnecting, unlike the errors above.
+    #[error("{0}")]
+    Connection(String),
+}
+
+impl Error {
+    /// Whether reconnecting may help: the connection went away, the request itself was fine.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, Error::Connection(_))
+    }
+}
+
+/// Whether a broker error means the connection is gone (refused, reset, closed by the broker
+/// with a hard error such as CONNECTION_FORCED), rather than a request refused on a live one.
+pub(crate) fn broker_connection_lost(e: &lapin::Error) -> bool {
+    use lapin::ErrorKind;
+    match e.kind() {
+        ErrorKind::IOError(_)
+        | ErrorKind::InvalidConnectionState(_)
+        | ErrorKind::MissingHeartbeatError => true,
+        // A hard error (e.g. CONNECTION_FORCED from `rabbitmqctl close_connection` or a
+        // broker shutdown) closes the whole connection.
+        ErrorKind::ProtocolError(amqp) => {
+            matches!(amqp.kind(), lapin::protocol::AMQPErrorKind::Hard(_))
+        }
+        _ => false,
+    }
+}
+
+/// Whether a Redis error means the connection is gone (or Redis stopped answering).
+pub(crate) fn redis_connection_lost(e: &redis::RedisError) -> bool {
+    e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() || e.is_timeout()
 }
 
 impl From<lapin::Error> for Error {
     fn from(e: lapin::Error) -> Self {
-        Error::Broker(e.to_string())
+        if broker_connection_lost(&e) {
+            Error::Connection(format!("broker connection lost: {e}"))
+        } else {
+            Error::Broker(e.to_string())
+        }
     }
 }
 
@@ -53,6 +91,43 @@ impl From<redis::ParsingError> for Error {
 
 impl From<redis::RedisError> for Error {
     fn from(e: redis::RedisError) -> Self {
-        Error::Redis(e.to_string())
+        if redis_connection_lost(&e) {
+            Error::Connection(format!("redis connection lost: {e}"))
+        } else {
+            Error::Redis(e.to_string())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Error;
+    use lapin::protocol::{AMQPError, AMQPErrorKind, AMQPHardError, AMQPSoftError};
+    use lapin::ErrorKind;
+
+    fn amqp(kind: AMQPErrorKind) -> lapin::Error {
+        ErrorKind::ProtocolError(AMQPError::new(kind, "x".into())).into()
+    }
+
+    #[test]
+    fn a_lost_connection_is_transient_and_a_refusal_is_not() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
+        assert!(Error::from(lapin::Error::from(io)).is_transient());
+        let forced = amqp(AMQPErrorKind::Hard(AMQPHardError::CONNECTIONFORCED));
+        assert!(Error::from(forced).is_transient());
+        let not_found = amqp(AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND));
+        assert!(!Error::from(not_found).is_transient());
+        let refused = amqp(AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED));
+        assert!(!Error::from(refused).is_transient());
+    }
+
+    #[test]
+    fn a_dropped_or_silent_redis_is_transient_and_a_bad_command_is_not() {
+        let io = std::io::Error::new(std::io::ErrorKind::BrokenPipe, "gone");
+        assert!(Error::from(redis::RedisError::from(io)).is_transient());
+        let timeout = std::io::Error::new(std::io::ErrorKind::TimedOut, "slow");
+        assert!(Error::from(redis::RedisError::from(timeout)).is_transient());
+        let wrong = redis::RedisError::from((redis::ErrorKind::Client, "bad command"));
+        assert!(!Error::from(wrong).is_transient());
     }
 }

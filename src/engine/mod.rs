@@ -55,6 +55,12 @@ impl Replay {
             None => self.name.clone(),
         }
     }
+
+    /// The broker connection name for one of its connections (`source`, `publish`, `plan`), so
+    /// that `rabbitmqctl list_connections` shows whose it is.
+    pub fn connection_name(&self, role: &str) -> String {
+        format!("dlq-replay {}/{} {role}", self.namespace, self.name)
+    }
 }
 
 /// Knobs that are not part of the spec.
@@ -75,6 +81,9 @@ pub struct Options {
     pub look: Duration,
     /// How often a draining replay looks for its own messages coming back.
     pub return_check: Duration,
+    /// How long a replay that lost its broker or Redis connection keeps trying to reconnect
+    /// (with backoff) before it ends `Failed`; zero: it ends at the first loss.
+    pub reconnect: Duration,
 }
 
 impl Default for Options {
@@ -87,6 +96,7 @@ impl Default for Options {
             recheck: Duration::from_secs(5),
             look: Duration::from_millis(250),
             return_check: Duration::from_secs(1),
+            reconnect: Duration::from_secs(60),
         }
     }
 }
@@ -111,12 +121,19 @@ pub fn amqp_user(url: &str) -> String {
 /// Connect to the broker with a connection name that says who we are (so an operator can find,
 /// or close, our connections in `rabbitmqctl list_connections`).
 pub async fn connect_amqp(url: &str, name: &str) -> Result<Connection, Error> {
+    crate::tls::install_provider();
     let props = ConnectionProperties::default().with_connection_name(name.into());
     Connection::connect(url, props).await.map_err(|e| {
-        Error::Broker(format!(
+        let why = crate::tls::hint(format!(
             "cannot connect: {}",
             crate::redact::error(&e.to_string(), url)
-        ))
+        ));
+        // Refused or reset (a broker restarting) is worth another try; a refused login is not.
+        if crate::broker_connection_lost(&e) {
+            Error::Connection(format!("broker: {why}"))
+        } else {
+            Error::Broker(why)
+        }
     })
 }
 
@@ -125,6 +142,11 @@ pub async fn connect_amqp(url: &str, name: &str) -> Result<Connection, Error> {
 /// Errors before the first message is touched (unreachable broker or Redis, missing source
 /// queue) are returned as `Err`; a failure mid-run ends the replay in phase `Failed`, with
 /// everything not settled still in the dead-letter queue.
+///
+/// A connection lost mid-run (broker restart, `rabbitmqctl close_connection`, Redis gone) is
+/// not the end: the pass closes what is left of its connections (everything unsettled goes
+/// back to the queue), waits with exponential backoff and starts a new pass of the same replay,
+/// which resumes it as a rerun would, for up to [`Options::reconnect`].
 pub async fn run(
     replay: &Replay,
     opts: &Options,
@@ -137,8 +159,95 @@ pub async fn run(
         progress.send_replace(status.clone());
         return Ok(status);
     }
-    let label = format!("dlq-replay {}/{}", replay.namespace, replay.name);
-    let src_conn = connect_amqp(&replay.amqp_url, &format!("{label} source")).await?;
+    let mut lost_since: Option<tokio::time::Instant> = None;
+    let mut delays = reconnect_delays();
+    let mut last = progress.borrow().clone();
+    loop {
+        let why = match run_pass(replay, opts, progress, cancel).await {
+            Ok(Pass::Ended(status)) => return Ok(status),
+            Ok(Pass::Lost(status, why)) => {
+                // A pass that settled something had its connections back: the next loss gets
+                // the whole budget again.
+                if status.counts.scanned > last.counts.scanned {
+                    lost_since = None;
+                    delays = reconnect_delays();
+                }
+                last = status;
+                why
+            }
+            // A first pass that cannot start is a configuration problem: say so at once.
+            Err(e) if lost_since.is_none() || !e.is_transient() => return Err(e),
+            Err(e) => e.to_string(),
+        };
+        let since = *lost_since.get_or_insert_with(tokio::time::Instant::now);
+        let delay = delays.next().unwrap_or(RECONNECT_MAX_DELAY);
+        if cancel.is_cancelled() {
+            last.phase = Some(Phase::Suspended);
+            last.message = Some(format!(
+                "stopped while reconnecting ({why}); run it again to resume"
+            ));
+            progress.send_replace(last.clone());
+            return Ok(last);
+        }
+        if since.elapsed() + delay > opts.reconnect {
+            let status = gave_up(last, &why, opts.reconnect);
+            progress.send_replace(status.clone());
+            return Ok(status);
+        }
+        tracing::warn!(replay = %replay.name, error = %why, delay_ms = delay.as_millis() as u64, "connection lost; reconnecting");
+        let mut waiting = last.clone();
+        waiting.message = Some(format!(
+            "{why}; reconnecting in {:.1}s (giving up {}s after the loss)",
+            delay.as_secs_f64(),
+            opts.reconnect.as_secs()
+        ));
+        progress.send_replace(waiting);
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = cancel.cancelled() => {}
+        }
+    }
+}
+
+const RECONNECT_MAX_DELAY: Duration = Duration::from_secs(8);
+
+/// 0.25 s, 0.5 s, 1 s … capped at 8 s, with jitter so that replicas do not reconnect in step.
+fn reconnect_delays() -> impl Iterator<Item = Duration> {
+    use backon::BackoffBuilder;
+    backon::ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(250))
+        .with_max_delay(RECONNECT_MAX_DELAY)
+        .with_jitter()
+        .without_max_times()
+        .build()
+}
+
+fn gave_up(mut status: DlqReplayStatus, why: &str, budget: Duration) -> DlqReplayStatus {
+    status.phase = Some(Phase::Failed);
+    status.message = Some(format!(
+        "{why}; gave up reconnecting after {}s; unsettled messages are still in the dead-letter queue; run it again to resume",
+        budget.as_secs()
+    ));
+    status
+}
+
+/// How a pass ended.
+enum Pass {
+    /// The replay reached a phase that stands (Done, Failed, CanaryFailed, Suspended, Pending).
+    Ended(DlqReplayStatus),
+    /// A connection went away: the status so far, and why.
+    Lost(DlqReplayStatus, String),
+}
+
+/// One pass over the queue on fresh connections: a first run, a rerun and a reconnect all start
+/// here and resume from the state in Redis.
+async fn run_pass(
+    replay: &Replay,
+    opts: &Options,
+    progress: &Progress,
+    cancel: &CancellationToken,
+) -> Result<Pass, Error> {
+    let src_conn = connect_amqp(&replay.amqp_url, &replay.connection_name("source")).await?;
     let depth = source::queue_state(&src_conn, &replay.spec.source.queue)
         .await?
         .ok_or_else(|| Error::SourceMissing(replay.spec.source.queue.clone()))?
@@ -156,19 +265,48 @@ pub async fn run(
         let status: DlqReplayStatus = serde_json::from_str(done)
             .map_err(|e| Error::Redis(format!("stored final status is unreadable: {e}")))?;
         progress.send_replace(status.clone());
-        return Ok(status);
+        let _ = src_conn.close(200, "done".into()).await;
+        return Ok(Pass::Ended(status));
     }
-    declare_quarantine(&src_conn, &replay.spec.quarantine.queue).await?;
-    let pub_conn = connect_amqp(&replay.amqp_url, &format!("{label} publish")).await?;
+    let status = initial_status(&state, store.keys().audit.clone());
+    let res = replay_pass(
+        replay, opts, progress, cancel, &src_conn, state, store, status,
+    )
+    .await;
+    let _ = src_conn.close(200, "done".into()).await;
+    let pass = match res {
+        Ok(pass) => pass,
+        // The replay has begun: a lost connection from here on is worth another pass.
+        Err(e) if e.is_transient() => Pass::Lost(progress.borrow().clone(), e.to_string()),
+        Err(e) => return Err(e),
+    };
+    if let Pass::Ended(status) = &pass {
+        progress.send_replace(status.clone());
+    }
+    Ok(pass)
+}
+
+/// The pass once its state is loaded: canaries (unless already decided), then the drain.
+#[allow(clippy::too_many_arguments)]
+async fn replay_pass(
+    replay: &Replay,
+    opts: &Options,
+    progress: &Progress,
+    cancel: &CancellationToken,
+    src_conn: &Connection,
+    state: store::State,
+    mut store: Store,
+    mut status: DlqReplayStatus,
+) -> Result<Pass, Error> {
+    declare_quarantine(src_conn, &replay.spec.quarantine.queue).await?;
+    let pub_conn = connect_amqp(&replay.amqp_url, &replay.connection_name("publish")).await?;
     let mut publisher = publish::Publisher::open(pub_conn, &amqp_user(&replay.amqp_url)).await?;
-    let (mut store, state) = (store, state);
-    let mut status = initial_status(&state, store.keys().audit.clone());
     let phase = canary_phase(
         replay,
         opts,
         progress,
         cancel,
-        &src_conn,
+        src_conn,
         &state,
         &mut publisher,
         &mut store,
@@ -184,21 +322,19 @@ pub async fn run(
                     store.finish(&json).await?;
                 }
             }
-            let _ = src_conn.close(200, "done".into()).await;
-            progress.send_replace(status.clone());
-            return Ok(status);
+            return Ok(Pass::Ended(status));
         }
+        Err(e) if e.is_transient() => return Ok(Pass::Lost(status, e.to_string())),
         Err(e) => {
             status.phase = Some(Phase::Failed);
             status.message = Some(format!(
                 "{e}; nothing else was replayed; run it again to resume"
             ));
-            progress.send_replace(status.clone());
-            return Ok(status);
+            return Ok(Pass::Ended(status));
         }
     };
     // The canaries (and what came back) changed the queue: the drain's bound is what it holds now.
-    let depth = source::queue_state(&src_conn, &replay.spec.source.queue)
+    let depth = source::queue_state(src_conn, &replay.spec.source.queue)
         .await?
         .ok_or_else(|| Error::SourceMissing(replay.spec.source.queue.clone()))?
         .0;
@@ -208,7 +344,7 @@ pub async fn run(
 
     let batch = batch_size(&replay.spec, opts.batch);
     let window = (batch * 2).min(u16::MAX as usize) as u16;
-    let src = Source::open(&src_conn, &replay.spec.source.queue, window).await?;
+    let src = Source::open(src_conn, &replay.spec.source.queue, window).await?;
     let mut drain = Drain::new(
         replay,
         &state,
@@ -221,18 +357,29 @@ pub async fn run(
     );
     drain.held_back = held;
     let end = drain.run(opts, progress, cancel).await;
+    let lost = match &end {
+        End::Error(e) if e.is_transient() => Some(e.to_string()),
+        End::Error(e) if !drain.connected(src_conn) => Some(format!("connection lost: {e}")),
+        _ => None,
+    };
     let mut status = drain.finish(end).await;
+    if let Some(why) = lost {
+        // Not a phase: the next pass picks the drain up where this one left it.
+        status.phase = Some(Phase::Draining);
+        return Ok(Pass::Lost(status, why));
+    }
     if status.phase == Some(Phase::Done) {
         if let Ok(json) = serde_json::to_string(&status) {
             if let Err(e) = drain.store.finish(&json).await {
+                if e.is_transient() {
+                    return Ok(Pass::Lost(status, e.to_string()));
+                }
                 status.phase = Some(Phase::Failed);
                 status.message = Some(format!("could not record the final status: {e}"));
             }
         }
     }
-    let _ = src_conn.close(200, "done".into()).await;
-    progress.send_replace(status.clone());
-    Ok(status)
+    Ok(Pass::Ended(status))
 }
 
 enum CanaryEnd {
@@ -411,14 +558,24 @@ fn limiter(spec: &DlqReplaySpec) -> Option<DefaultDirectRateLimiter> {
 /// What happens to one message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Act {
-    Skip { reason: String, returned: bool },
+    Skip {
+        reason: String,
+        returned: bool,
+    },
     Quarantine(String),
     Replay(Destination),
-    Duplicate { reason: String, same_attempt: bool },
+    Duplicate {
+        reason: String,
+        same_attempt: bool,
+    },
     AlreadySettled,
     Replayed(Destination),
     Quarantined(String),
     Failed(String),
+    /// Published, but the connection went away before the broker's confirm: maybe delivered,
+    /// maybe not. Nothing is recorded and nothing acked; the next pass finds its claim (Claim
+    /// mode: quarantined `OutcomeUnknown`) or publishes it again (Check mode).
+    Unknown(String),
 }
 
 struct Item {
@@ -595,6 +752,12 @@ impl<'a> Drain<'a> {
             )));
         }
         Ok(None)
+    }
+
+    /// Whether both of the pass's broker connections are still up (an error on a channel can be
+    /// the echo of a connection that went away).
+    fn connected(&self, src_conn: &Connection) -> bool {
+        src_conn.status().connected() && self.publisher.connection().status().connected()
     }
 
     fn is_held_back(&self, props: &lapin::BasicProperties) -> bool {
@@ -790,7 +953,8 @@ impl<'a> Drain<'a> {
             };
             match self.publisher.send(&dest, props, &item.delivery.data).await {
                 Ok(confirm) => pending.push((i, confirm)),
-                Err(e) => item.act = Act::Failed(format!("PublishError: {e}")),
+                // Refused before it left (e.g. the channel is closed): it was not sent.
+                Err(e) => item.act = Act::Failed(format!("NotSent: {e}")),
             }
         }
         let (idx, confirms): (Vec<usize>, Vec<_>) = pending.into_iter().unzip();
@@ -805,20 +969,39 @@ impl<'a> Drain<'a> {
             }
         });
         let results = futures::future::join_all(timed).await;
+        // A confirm that never came (the channel or the connection closed first) leaves the
+        // outcome unknown, even when the broker closed the channel because of a later publish
+        // (e.g. to an exchange deleted mid-drain): an earlier one may have been routed and
+        // persisted with its confirm still on the way.
         for (i, res) in idx.into_iter().zip(results) {
             let item = &mut items[i];
+            let unconfirmed = res.is_err();
             item.act = match (publish::outcome(res), &item.act) {
                 (Ok(()), Act::Replay(d)) => Act::Replayed(d.clone()),
                 (Ok(()), Act::Quarantine(r)) => Act::Quarantined(r.clone()),
+                (Err(why), _) if unconfirmed => Act::Unknown(why),
                 (Err(why), _) => Act::Failed(why),
                 (Ok(()), other) => other.clone(),
             };
         }
+        // A publish to a deleted exchange closes the channel: what the batch had not sent yet
+        // was refused for the same reason, and says so.
+        let closed_on = items.iter().find_map(|it| match &it.act {
+            Act::Unknown(r) if r.starts_with("NoExchange") => Some(r.clone()),
+            _ => None,
+        });
+        if let Some(cause) = closed_on {
+            for it in items.iter_mut() {
+                if matches!(&it.act, Act::Failed(r) if r.starts_with("NotSent")) {
+                    it.act = Act::Failed(format!("{cause}; not sent after it"));
+                }
+            }
+        }
         // A message whose key was claimed earlier in this batch by one that failed is not a
-        // duplicate after all: its work never went out. It stays in the queue.
+        // duplicate after all: its work never went out (or may not have). It stays in the queue.
         let failed: std::collections::HashSet<&str> = items
             .iter()
-            .filter(|it| matches!(it.act, Act::Failed(_)))
+            .filter(|it| matches!(it.act, Act::Failed(_) | Act::Unknown(_)))
             .filter_map(|it| it.key.as_deref())
             .collect();
         let orphans: Vec<usize> = (0..items.len())
@@ -848,6 +1031,10 @@ impl<'a> Drain<'a> {
         let mut delta = Counts::default();
         let mut acks = Vec::new();
         let mut held = 0u32;
+        let mut unknown = 0u32;
+        let mut unknown_why = String::new();
+        // Unconfirmed publishes end the pass after this batch.
+        let ending = items.iter().any(|it| matches!(it.act, Act::Unknown(_)));
         let time = now();
         let claiming = self
             .replay
@@ -889,14 +1076,25 @@ impl<'a> Drain<'a> {
                     ("duplicate", reason.clone(), String::new())
                 }
                 Act::Failed(r) => {
-                    delta.failed += 1;
                     held += 1;
                     if claiming {
                         if let Some(k) = &item.key {
                             release.push((k.clone(), self.claim_value.clone()));
                         }
                     }
+                    if ending {
+                        // It stays in the queue for the next pass, which decides (and counts)
+                        // it again: recording it here too would count it twice.
+                        continue;
+                    }
+                    delta.failed += 1;
                     ("failed", r.clone(), String::new())
+                }
+                Act::Unknown(why) => {
+                    unknown += 1;
+                    unknown_why.clone_from(why);
+                    held += 1;
+                    continue;
                 }
                 // Publish resolves every Replay and Quarantine.
                 Act::Replay(_) | Act::Quarantine(_) => continue,
@@ -931,17 +1129,28 @@ impl<'a> Drain<'a> {
                 .double_published
                 .inc_by(again);
         }
+        add(&mut self.status.counts, &delta);
+        if let Some(a) = self.status.audit.as_mut() {
+            a.records = records;
+        }
         let src = self
             .source
             .as_mut()
             .ok_or_else(|| Error::Broker("source closed".into()))?;
         src.ack(&acks, held == 0).await?;
-        let fits = src.hold(held).await?;
-        add(&mut self.status.counts, &delta);
-        if let Some(a) = self.status.audit.as_mut() {
-            a.records = records;
+        if unknown > 0 {
+            // What was confirmed is recorded and acked; the unconfirmed wait for the next pass,
+            // which finds their claims (or publishes them again in Check mode) like a rerun.
+            let closed = if self.publisher.connection().status().connected() {
+                "the publishing channel closed"
+            } else {
+                "connection lost"
+            };
+            return Err(Error::Connection(format!(
+                "{closed} with {unknown} publishes unconfirmed ({unknown_why})"
+            )));
         }
-        Ok(fits)
+        src.hold(held).await
     }
 
     fn report(&mut self, progress: &Progress) {

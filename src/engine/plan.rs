@@ -48,8 +48,7 @@ impl PlanReport {
 
 /// Classify every message of the source queue without changing anything.
 pub async fn plan(replay: &Replay) -> Result<PlanReport, Error> {
-    let label = format!("dlq-replay {}/{} plan", replay.namespace, replay.name);
-    let conn = connect_amqp(&replay.amqp_url, &label).await?;
+    let conn = connect_amqp(&replay.amqp_url, &replay.connection_name("plan")).await?;
     let queue = &replay.spec.source.queue;
     let depth = source::queue_state(&conn, queue)
         .await?

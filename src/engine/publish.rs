@@ -105,6 +105,10 @@ pub fn outcome(res: Result<Confirmation, lapin::Error>) -> Result<(), String> {
         )),
         Ok(Confirmation::Nack(None)) => Err("Nacked: the broker refused the message".into()),
         Ok(Confirmation::NotRequested) => Err("publisher confirms were not enabled".into()),
+        // The broker closes the channel on a publish to a missing exchange (deleted mid-drain).
+        Err(e) if is_not_found(&e) => Err(format!(
+            "NoExchange: the target exchange was deleted during the drain ({e})"
+        )),
         Err(e) => Err(format!("PublishError: {e}")),
     }
 }

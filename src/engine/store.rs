@@ -133,9 +133,24 @@ pub struct Store {
 
 /// Connect to Redis; the error never repeats the URL.
 pub async fn connect(url: &str) -> Result<ConnectionManager, Error> {
+    crate::tls::install_provider();
     let client = redis::Client::open(url)
         .map_err(|e| Error::Redis(format!("bad Redis URL: {:?}", e.kind())))?;
-    client.get_connection_manager().await.map_err(Error::from)
+    // Longer than a busy Redis takes to answer a batch's MULTI, short enough that a Redis that
+    // stopped answering ends the pass (and the replay reconnects) instead of hanging it.
+    let config = redis::aio::ConnectionManagerConfig::new()
+        .set_response_timeout(Some(std::time::Duration::from_secs(5)))
+        .set_connection_timeout(Some(std::time::Duration::from_secs(5)));
+    client
+        .get_connection_manager_with_config(config)
+        .await
+        .map_err(|e| {
+            if crate::redis_connection_lost(&e) {
+                Error::Connection(crate::tls::hint(format!("redis: cannot connect: {e}")))
+            } else {
+                Error::Redis(crate::tls::hint(e.to_string()))
+            }
+        })
 }
 
 impl Store {
