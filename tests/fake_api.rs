@@ -86,20 +86,7 @@ impl Env {
         if self.fake.is_some() {
             return;
         }
-        let api = self.replays();
-        if let Ok(list) = api.list(&ListParams::default()).await {
-            for r in list {
-                if !r.finalizers().is_empty() {
-                    let _ = api
-                        .patch(
-                            &r.name_any(),
-                            &PatchParams::default(),
-                            &Patch::Merge(json!({"metadata": {"finalizers": null}})),
-                        )
-                        .await;
-                }
-            }
-        }
+        support::cluster::drop_finalizers(&self.replays()).await;
         let _ = Api::<Namespace>::all(self.client.clone())
             .delete(&self.ns, &DeleteParams::default())
             .await;

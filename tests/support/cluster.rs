@@ -207,22 +207,28 @@ impl Cluster {
         let _ = api
             .delete_collection(&DeleteParams::default(), &ListParams::default())
             .await;
-        if let Ok(list) = api.list(&ListParams::default()).await {
-            for r in list {
-                if !r.finalizers().is_empty() {
-                    let _ = api
-                        .patch(
-                            &r.name_any(),
-                            &PatchParams::default(),
-                            &Patch::Merge(json!({"metadata": {"finalizers": null}})),
-                        )
-                        .await;
-                }
-            }
-        }
+        drop_finalizers(&api).await;
         let _ = Api::<Namespace>::all(c.clone())
             .delete(&self.ns, &DeleteParams::default())
             .await;
+    }
+}
+
+/// Removes the finalizers of every replay `api` lists (no operator is left to remove them).
+pub async fn drop_finalizers(api: &Api<DlqReplay>) {
+    let Ok(list) = api.list(&ListParams::default()).await else {
+        return;
+    };
+    for r in list {
+        if !r.finalizers().is_empty() {
+            let _ = api
+                .patch(
+                    &r.name_any(),
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+                )
+                .await;
+        }
     }
 }
 

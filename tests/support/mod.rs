@@ -3,6 +3,7 @@
 
 pub mod cluster;
 pub mod fake_api;
+pub mod faults;
 
 use std::collections::BTreeMap;
 
@@ -88,6 +89,21 @@ impl World {
 
     pub async fn run(&self, resource: &DlqReplay) -> DlqReplayStatus {
         run_replay(&self.replay(resource)).await
+    }
+
+    /// The replay with its state, claims and audit trail in another Redis.
+    pub fn replay_on(&self, resource: &DlqReplay, redis_url: &str) -> Replay {
+        let endpoints = Endpoints {
+            amqp_url: None,
+            redis_url: Some(redis_url.into()),
+        };
+        cli::resolve(resource, &endpoints).expect("resolve")
+    }
+
+    /// A new connection and channel, after the broker went away and came back.
+    pub async fn reopen(&mut self) {
+        self.conn = engine::connect_amqp(AMQP, &self.tag).await.expect("broker");
+        self.ch = self.conn.create_channel().await.expect("channel");
     }
 
     pub async fn dead_letter(&self, jobs: Vec<(BasicProperties, Vec<u8>)>) {
@@ -201,6 +217,32 @@ pub fn seen(d: &Delivery) -> Seen {
         props: d.properties.clone(),
         body: d.data.clone(),
     }
+}
+
+/// Run `program args` to its end; panic with what it printed unless it succeeded.
+pub fn must(program: &str, args: &[&str]) -> std::process::Output {
+    let out = std::process::Command::new(program)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{program}: {e}"));
+    assert!(
+        out.status.success(),
+        "{program} {}: {}{}",
+        args.first().copied().unwrap_or_default(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// A finished command's exit status, stdout and stderr, for assertion messages and searches.
+pub fn output_text(out: &std::process::Output) -> String {
+    format!(
+        "status {}\n--- stdout\n{}\n--- stderr\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
 }
 
 pub fn header(s: &Seen, name: &str) -> Option<String> {
