@@ -3,7 +3,7 @@ export AMQP_URL ?= amqp://guest:guest@127.0.0.1:5672/%2f
 export REDIS_URL ?= redis://127.0.0.1:6379/
 CARGO ?= cargo
 
-.PHONY: demo test lint services crd bench e2e
+.PHONY: demo test lint services crd bench e2e faults fuzz
 
 demo: services
 	$(CARGO) build --release --quiet
@@ -31,6 +31,25 @@ lint:
 bench: services
 	$(CARGO) build --release --quiet
 	$(CARGO) run --release --quiet --example bench
+
+# Every fault of the fault suite at full size (kill -9 at FAULT_KILLS=10 seeded points of a
+# FAULT_N=20000-message drain in Check and Claim mode, cut connections, a 10 s broker stop_app,
+# Redis paused and killed, the target exchange deleted, a full target queue, poison coming back),
+# then the table: lost must be 0, keys twice 0 in Claim mode. FAULT_SEED repeats a run. Stops the
+# broker for 10 s: run it when nothing else uses it.
+faults: services
+	$(CARGO) build --release --quiet
+	$(CARGO) run --release --quiet --example faults
+
+# The cargo-fuzz targets in fuzz/ (classify: the per-message rules on arbitrary headers, bodies
+# and specs; key: the idempotency key), FUZZ_SECONDS in all, half each. Needs the nightly
+# toolchain and `cargo install cargo-fuzz --locked`. A crash leaves its input in fuzz/artifacts/.
+# One input taking over 10 s is a finding too. Not part of `make test`.
+FUZZ_SECONDS ?= 60
+FUZZ_ARGS = -max_total_time=$$(( $(FUZZ_SECONDS) / 2 )) -timeout=10 -print_final_stats=1
+fuzz:
+	cargo +nightly fuzz run classify -- $(FUZZ_ARGS)
+	cargo +nightly fuzz run key -- $(FUZZ_ARGS)
 
 crd:
 	$(CARGO) run --quiet -- crd > crds/dlqreplay.yaml
