@@ -395,6 +395,11 @@ async fn an_operator_restart_mid_drain_resumes_and_loses_nothing(c: &Cluster) {
     let id = before.status.unwrap().replay_id;
     stop.send(()).unwrap();
     op.await.unwrap();
+    // The operator's own stop is not the user's suspend: the replay waits for the next leader.
+    let stopped = api.get("rst").await.unwrap().status.unwrap();
+    assert_eq!(stopped.phase, Some(Phase::Pending), "{stopped:?}");
+    let why = stopped.message.unwrap_or_default();
+    assert!(why.starts_with("OperatorStopped:"), "{why}");
     let (_op2, _stop2) = operator(c);
     let r = wait_for(&api, "rst", "Done", |r| phase(r) == Some(Phase::Done)).await;
     let s = r.status.unwrap();

@@ -8,6 +8,7 @@
 pub mod status;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -70,6 +71,9 @@ impl Default for Settings {
 struct Task {
     source: String,
     cancel: CancellationToken,
+    /// Set before `cancel` when the stop is the user's `spec.suspend`; any other stop is the
+    /// operator's own (shutdown, lost lease, deletion).
+    by_user: Arc<AtomicBool>,
     handle: tokio::task::JoinHandle<()>,
 }
 
@@ -211,6 +215,7 @@ async fn apply(obj: Arc<DlqReplay>, ctx: Arc<Context>) -> Result<Action, Error> 
     if running {
         if obj.spec.suspend {
             if let Some(t) = ctx.tasks.lock().await.get(&key) {
+                t.by_user.store(true, Ordering::SeqCst);
                 t.cancel.cancel();
             }
             return Ok(Action::requeue(Duration::from_secs(1)));
@@ -257,12 +262,18 @@ async fn apply(obj: Arc<DlqReplay>, ctx: Arc<Context>) -> Result<Action, Error> 
         return Ok(Action::requeue(Duration::from_secs(5)));
     }
     let cancel = CancellationToken::new();
-    let handle = tokio::spawn(drive(ctx.clone(), obj.clone(), replay, cancel.clone()));
+    let by_user = Arc::new(AtomicBool::new(false));
+    let stop = Stop {
+        cancel: cancel.clone(),
+        by_user: by_user.clone(),
+    };
+    let handle = tokio::spawn(drive(ctx.clone(), obj.clone(), replay, stop));
     tasks.insert(
         key,
         Task {
             source,
             cancel,
+            by_user,
             handle,
         },
     );
@@ -369,8 +380,31 @@ async fn publish_event(ctx: &Context, obj: &DlqReplay, status: &DlqReplayStatus)
     .await;
 }
 
+/// How a running replay is told to stop, and by whom.
+struct Stop {
+    cancel: CancellationToken,
+    by_user: Arc<AtomicBool>,
+}
+
+/// What the operator stopping a replay (not the user) leaves in its status: `Pending`, because
+/// the replay waits for an operator to lead again and resume it; `Suspended` would read as the
+/// user's `spec.suspend`.
+fn operator_stopped(status: DlqReplayStatus) -> DlqReplayStatus {
+    let c = &status.counts;
+    let message = format!(
+        "OperatorStopped: the operator stopped (shutdown or lost lease) after the in-flight messages settled; the next operator to lead resumes it; so far replayed {}, duplicates {}, quarantined {}, skipped {}, failed {}",
+        c.replayed, c.duplicates, c.quarantined, c.skipped, c.failed
+    );
+    DlqReplayStatus {
+        phase: Some(Phase::Pending),
+        message: Some(message),
+        ..status
+    }
+}
+
 /// Run the engine for one replay, writing its status as it goes.
-async fn drive(ctx: Arc<Context>, obj: Arc<DlqReplay>, replay: Replay, cancel: CancellationToken) {
+async fn drive(ctx: Arc<Context>, obj: Arc<DlqReplay>, replay: Replay, stop: Stop) {
+    let Stop { cancel, by_user } = stop;
     let key = key_of(&obj);
     let (tx, mut rx) = watch::channel(obj.status.clone().unwrap_or_default());
     let writer_ctx = ctx.clone();
@@ -402,6 +436,9 @@ async fn drive(ctx: Arc<Context>, obj: Arc<DlqReplay>, replay: Replay, cancel: C
     drop(tx);
     let current = writer.await.unwrap_or_else(|_| (*obj).clone());
     let final_status = match result {
+        Ok(s) if s.phase == Some(Phase::Suspended) && !by_user.load(Ordering::SeqCst) => {
+            operator_stopped(s)
+        }
         Ok(s) => s,
         Err(e) => DlqReplayStatus {
             phase: Some(Phase::Pending),
