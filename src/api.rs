@@ -309,6 +309,12 @@ pub struct CanarySpec {
     /// While draining, stop when more than this share of the replayed messages came back.
     #[serde(default = "default_max_return_ratio")]
     pub max_return_ratio: f64,
+    /// The most distinct failure signatures the queue may hold (1 to 1000). Each gets a canary
+    /// and a line in the status; a header holding per-message text (an error message with ids in
+    /// it) would make every message its own canary, so more than this fails the replay before
+    /// anything is touched: choose a coarser `signatureHeader` or raise the limit.
+    #[serde(default = "default_max_signatures")]
+    pub max_signatures: u32,
 }
 
 impl Default for CanarySpec {
@@ -322,6 +328,7 @@ impl Default for CanarySpec {
             max_backlog: default_max_backlog(),
             require_done: false,
             max_return_ratio: default_max_return_ratio(),
+            max_signatures: default_max_signatures(),
         }
     }
 }
@@ -334,6 +341,9 @@ fn default_wait_seconds() -> u64 {
 }
 fn default_signature_header() -> String {
     "x-exception-type".into()
+}
+fn default_max_signatures() -> u32 {
+    20
 }
 fn default_max_backlog() -> u64 {
     1000

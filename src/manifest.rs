@@ -278,6 +278,12 @@ pub fn validate_spec(spec: &DlqReplaySpec) -> Vec<FieldError> {
     if !(0.0..=1.0).contains(&canary.max_return_ratio) {
         errors.push(err("spec.canary.maxReturnRatio", "must be between 0 and 1"));
     }
+    if !(1..=1000).contains(&canary.max_signatures) {
+        errors.push(err(
+            "spec.canary.maxSignatures",
+            "must be between 1 and 1000",
+        ));
+    }
     if canary.signature_header.is_empty() {
         errors.push(err("spec.canary.signatureHeader", "must not be empty"));
     }

@@ -344,6 +344,31 @@ async fn too_much_poison_stops_before_draining() {
 }
 
 #[tokio::test]
+async fn more_signatures_than_max_signatures_fail_before_anything_moves() {
+    let w = World::new("canary-sigs").await;
+    // An exception header holding per-message text: every message its own signature.
+    let jobs = (0..6)
+        .map(|i| typed(&format!("s{i}"), &format!("job s{i} timed out after {i}0s")))
+        .collect();
+    w.dead_letter(jobs).await;
+    let _worker = worker(&w, &[], false).await;
+    let status = run_with(
+        &w,
+        &canary_spec(&w, ", maxSignatures: 4"),
+        Options::default(),
+    )
+    .await;
+    assert_eq!(status.phase, Some(Phase::Failed), "{status:?}");
+    let why = status.message.as_deref().unwrap_or_default();
+    assert!(why.starts_with("TooManySignatures:"), "{why}");
+    assert!(why.contains("canary.maxSignatures 4"), "{why}");
+    assert!(status.canary.is_empty(), "no canary may leave: {status:?}");
+    assert_eq!(w.depth(&w.topo.dlq).await, 6);
+    assert_eq!(w.depth(&w.topo.work).await, 0);
+    w.cleanup().await;
+}
+
+#[tokio::test]
 async fn returns_while_draining_above_the_ratio_stop_the_replay() {
     let w = World::new("canary-returns").await;
     w.dead_letter(

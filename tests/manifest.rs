@@ -208,6 +208,11 @@ fn cases() -> Vec<Case> {
             "spec.canary.waitSeconds:",
         ),
         case(
+            "canary.maxSignatures 0",
+            with("maxReturnRatio: 0.05", "maxReturnRatio: 0.05\n    maxSignatures: 0"),
+            "spec.canary.maxSignatures:",
+        ),
+        case(
             "canary.maxReturnRatio 1.5",
             with("maxReturnRatio: 0.05", "maxReturnRatio: 1.5"),
             "spec.canary.maxReturnRatio:",

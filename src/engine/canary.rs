@@ -40,8 +40,9 @@ pub enum Selection {
     Nothing,
     /// A pre-flight check failed; nothing was touched.
     Pending(String),
-    /// Too much poison: the fix is probably not deployed.
-    TooMuchPoison(String),
+    /// The queue fails a check that waiting cannot fix (too much poison: the fix is probably not
+    /// deployed; too many signatures); nothing was touched.
+    Refused(String),
 }
 
 /// Canaries in flight.
@@ -56,6 +57,14 @@ pub struct Watch {
     pub delta: Counts,
     /// Audit rows written.
     pub records: u64,
+}
+
+fn too_many_signatures(spec: &DlqReplaySpec, scanned: u64) -> String {
+    let c = &spec.canary;
+    format!(
+        "TooManySignatures: the first {scanned} messages already hold more than canary.maxSignatures {} distinct failure signatures (values of header {:?}, else death reason and queue): one canary each would prove nothing; set canary.signatureHeader to a header with fewer values or raise canary.maxSignatures; nothing was replayed",
+        c.max_signatures, c.signature_header
+    )
 }
 
 /// Choose one canary per signature, check the ground, publish them. `replay_id` tags them.
@@ -98,6 +107,10 @@ pub async fn send(
         };
         let sig = classify::signature(&spec.canary.signature_header, &d.properties);
         *counts.entry(sig.clone()).or_default() += 1;
+        if counts.len() > spec.canary.max_signatures as usize {
+            let _ = ch.close(200, "too many signatures".into()).await;
+            return Ok(Selection::Refused(too_many_signatures(spec, scanned)));
+        }
         if by_sig.contains_key(&sig) || is_done(spec, redis, key.as_deref()).await? {
             continue;
         }
@@ -115,7 +128,7 @@ pub async fn send(
     if let Some(max) = spec.poison.max_quarantine_ratio {
         if scanned > 0 && poison as f64 / scanned as f64 > max {
             let _ = ch.close(200, "too much poison".into()).await;
-            return Ok(Selection::TooMuchPoison(format!(
+            return Ok(Selection::Refused(format!(
                 "{poison} of {scanned} messages are poison, more than poison.maxQuarantineRatio {max}: the fix is probably not deployed; nothing was replayed"
             )));
         }

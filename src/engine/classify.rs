@@ -4,6 +4,7 @@
 
 use lapin::BasicProperties;
 use serde_json::Value;
+use sha2::{Digest, Sha256};
 
 use crate::api::{DlqReplaySpec, KeySpec, PayloadMatch, PoisonSpec, SelectorSpec};
 use crate::engine::key;
@@ -240,12 +241,27 @@ pub fn destination(target: &crate::api::TargetSpec, last: Option<&Death>) -> Opt
 /// most recent death.
 pub fn signature(signature_header: &str, props: &BasicProperties) -> String {
     if let Some(v) = message::header_text(props, signature_header) {
-        return format!("{signature_header}={v}");
+        return format!("{signature_header}={}", shortened(&v));
     }
     match message::deaths(props).into_iter().next() {
         Some(d) => format!("{}@{}", d.reason, d.queue),
         None => "no-death".into(),
     }
+}
+
+/// The longest header value a signature keeps, in characters: signatures are status lines,
+/// event notes and audit fields, and a header may hold a whole stack trace.
+const SIGNATURE_CHARS: usize = 120;
+
+/// `v` cut to [`SIGNATURE_CHARS`], with a hash of the whole so that values differing only
+/// past the cut stay distinct signatures.
+fn shortened(v: &str) -> String {
+    if v.chars().count() <= SIGNATURE_CHARS {
+        return v.to_string();
+    }
+    let head: String = v.chars().take(SIGNATURE_CHARS).collect();
+    let digest = hex::encode(Sha256::digest(v.as_bytes()));
+    format!("{head}…#{}", &digest[..8])
 }
 
 /// The queue a default-target message will land in: the queue of its most recent death.
@@ -438,6 +454,19 @@ mod tests {
             classify(&f.rules(), &BasicProperties::default(), b"{}"),
             Verdict::Replay { .. }
         ));
+    }
+
+    #[test]
+    fn a_long_signature_value_is_cut_but_stays_distinct() {
+        let long = |tail: &str| format!("{}{tail}", "é".repeat(300));
+        let a = signature("x-e", &dead("rejected", 1, &[("x-e", &long("a"))]));
+        let b = signature("x-e", &dead("rejected", 1, &[("x-e", &long("b"))]));
+        assert_ne!(a, b, "values differing past the cut must stay apart");
+        assert!(a.chars().count() < 140, "{} chars", a.chars().count());
+        assert!(
+            a.starts_with(&format!("x-e={}…#", "é".repeat(SIGNATURE_CHARS))),
+            "{a}"
+        );
     }
 
     #[test]

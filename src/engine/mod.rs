@@ -429,7 +429,7 @@ async fn canary_phase(
         match sel {
             canary::Selection::Sent(w) => break w,
             canary::Selection::Nothing => return Ok(CanaryEnd::Drain(Default::default())),
-            canary::Selection::TooMuchPoison(why) => {
+            canary::Selection::Refused(why) => {
                 status.phase = Some(Phase::Failed);
                 status.message = Some(why);
                 return Ok(CanaryEnd::Stop);
