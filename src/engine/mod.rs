@@ -253,7 +253,7 @@ async fn run_pass(
         .ok_or_else(|| Error::SourceMissing(replay.spec.source.queue.clone()))?
         .0;
     let con = store::connect(&replay.redis_url).await?;
-    let (store, state) = Store::begin(
+    let (mut store, state) = Store::begin(
         con,
         &replay.namespace,
         &replay.state_name(),
@@ -261,6 +261,9 @@ async fn run_pass(
         &now(),
     )
     .await?;
+    // A batch whose publishes are confirmed is worth waiting for Redis: as long as a lost
+    // connection would be.
+    store.retry_for(opts.reconnect);
     if let Some(done) = &state.final_status {
         let status: DlqReplayStatus = serde_json::from_str(done)
             .map_err(|e| Error::Redis(format!("stored final status is unreadable: {e}")))?;

@@ -1,10 +1,11 @@
 //! Redis: the idempotency gate (check / claim), the replay's own state, and the audit stream.
 //!
 //! Each batch costs two round trips: one pipeline that asks about every key of the batch, and one
-//! MULTI/EXEC that writes the audit rows, the "settled" marks and the counts together, so the
-//! counts and the audit trail can never disagree, even across a crash.
+//! script that writes the audit rows, the "settled" marks and the counts together (atomically,
+//! once), so the counts and the audit trail can never disagree, even across a crash or a retry.
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use redis::aio::ConnectionManager;
 use redis::Value;
@@ -12,8 +13,90 @@ use redis::Value;
 use crate::api::Counts;
 use crate::Error;
 
-/// Compare-and-delete, so a failed publish releases only its own claim.
-const RELEASE: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) else return 0 end";
+/// A batch's outcome, applied once. KEYS: the audit stream, the settled hash, the state hash,
+/// then the claims to release. ARGV: the commit id; the audit field names (count first); the
+/// rows (count first, one value per field each); the settled marks and then the `key:` marks
+/// (each count first, field and value each); the release values (count first, one per released
+/// claim); the count deltas (count first, field and increment each). Released claims are
+/// compare-and-delete, so a failed publish releases only its own claim. `key:` marks are
+/// HSETNX, and those that existed already are counted. The commit id kept in the state hash
+/// makes a retry of a commit that did go through (its answer was lost) change nothing.
+const COMMIT: &str = r#"
+local audit, settled, state = KEYS[1], KEYS[2], KEYS[3]
+if redis.call('HGET', state, 'commit') == ARGV[1] then
+  return {redis.call('XLEN', audit), 0, 0}
+end
+local i = 2
+local function take()
+  local v = ARGV[i]
+  i = i + 1
+  return v
+end
+local nfields = tonumber(take())
+local names = {}
+for f = 1, nfields do names[f] = take() end
+for _ = 1, tonumber(take()) do
+  local xadd = {'XADD', audit, '*'}
+  for f = 1, nfields do
+    xadd[#xadd + 1] = names[f]
+    xadd[#xadd + 1] = take()
+  end
+  redis.call(unpack(xadd))
+end
+for _ = 1, tonumber(take()) do
+  redis.call('HSET', settled, take(), take())
+end
+local again = 0
+for _ = 1, tonumber(take()) do
+  again = again + (1 - redis.call('HSETNX', settled, take(), take()))
+end
+for k = 1, tonumber(take()) do
+  local key, value = KEYS[3 + k], take()
+  if redis.call('GET', key) == value then redis.call('DEL', key) end
+end
+for _ = 1, tonumber(take()) do
+  redis.call('HINCRBY', state, take(), take())
+end
+redis.call('HSET', state, 'commit', ARGV[1])
+return {redis.call('XLEN', audit), again, 1}
+"#;
+
+/// Compare-and-delete a claim (KEYS[1]) of ours (ARGV[1]) unless its key was published by this
+/// replay (a `key:` mark in the settled hash, KEYS[2]).
+const HAND_BACK: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] and redis.call('HEXISTS', KEYS[2], 'key:' .. KEYS[1]) == 0 then return redis.call('DEL', KEYS[1]) else return 0 end";
+
+fn commit_script() -> &'static redis::Script {
+    static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
+    SCRIPT.get_or_init(|| redis::Script::new(COMMIT))
+}
+
+/// The audit stream's length and the `key:` marks that existed, from the script's answer.
+fn commit_answer(answer: &[u64]) -> (u64, u64) {
+    let (len, again, applied) = match answer {
+        [len, again, applied] => (*len, *again, *applied),
+        _ => (0, 0, 1),
+    };
+    if applied == 0 {
+        tracing::info!(
+            "a batch's outcome was already recorded by the commit whose answer was lost"
+        );
+    }
+    (len, again)
+}
+
+const COMMIT_RETRY_MAX_DELAY: Duration = Duration::from_secs(4);
+
+/// 0.25 s doubling to 4 s with jitter: a Redis that paused or restarted is back soon, and the
+/// batch's messages are held meanwhile.
+fn retry_delays() -> impl Iterator<Item = Duration> {
+    use backon::BackoffBuilder;
+    backon::ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(250))
+        .with_max_delay(COMMIT_RETRY_MAX_DELAY)
+        .with_jitter()
+        .without_max_times()
+        .build()
+}
 
 /// The replay's durable state, as stored under its state key.
 #[derive(Debug, Clone, Default)]
@@ -129,6 +212,7 @@ impl Keys {
 pub struct Store {
     con: ConnectionManager,
     keys: Keys,
+    retry_for: Duration,
 }
 
 /// Connect to Redis; the error never repeats the URL.
@@ -196,7 +280,14 @@ impl Store {
             .arg(&keys.audit)
             .query_async(&mut con)
             .await?;
-        Ok((Self { con, keys }, state))
+        Ok((
+            Self {
+                con,
+                keys,
+                retry_for: Duration::ZERO,
+            },
+            state,
+        ))
     }
 
     /// Read the stored state without starting an attempt (`None` if the replay never ran).
@@ -220,7 +311,58 @@ impl Store {
     /// Ask about a batch in one round trip. `fields` are, per message, its fingerprint and its
     /// `key:` field in the settled hash; `keys` the idempotency keys to check (or claim, when
     /// `claim` holds the claim value and its expiry).
+    ///
+    /// A lookup whose answer was lost is asked again, within the commit retry budget: nothing of
+    /// the batch is published yet. Claims the lost lookup may have taken are handed back first
+    /// (those of this claim value whose key has no `key:` mark, i.e. not published by this
+    /// attempt), so the second answer tells this batch's claims apart from earlier ones.
     pub async fn lookup(
+        &mut self,
+        fields: &[(&str, Option<&str>)],
+        keys: &[Option<&str>],
+        claim: Option<(&str, u64)>,
+    ) -> Result<Vec<Lookup>, Error> {
+        let started = tokio::time::Instant::now();
+        let mut delays = retry_delays();
+        let mut lost = false;
+        loop {
+            let attempt = async {
+                if let (true, Some((mine, _))) = (lost, claim) {
+                    self.hand_back(keys, mine).await?;
+                }
+                self.lookup_once(fields, keys, claim).await
+            };
+            let e = match attempt.await {
+                Ok(answer) => return Ok(answer),
+                Err(e) => e,
+            };
+            let delay = delays.next().unwrap_or(COMMIT_RETRY_MAX_DELAY);
+            if !e.is_transient() || started.elapsed() + delay > self.retry_for {
+                return Err(e);
+            }
+            lost = true;
+            tracing::warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "looking up a batch's keys; trying again");
+            tokio::time::sleep(delay).await;
+        }
+    }
+
+    /// Delete the claims of `mine` on `keys` that this attempt did not publish.
+    async fn hand_back(&mut self, keys: &[Option<&str>], mine: &str) -> Result<(), Error> {
+        let mut p = redis::pipe();
+        for key in keys.iter().flatten() {
+            p.cmd("EVAL")
+                .arg(HAND_BACK)
+                .arg(2)
+                .arg(key)
+                .arg(&self.keys.settled)
+                .arg(mine)
+                .ignore();
+        }
+        p.query_async::<()>(&mut self.con).await?;
+        Ok(())
+    }
+
+    async fn lookup_once(
         &mut self,
         fields: &[(&str, Option<&str>)],
         keys: &[Option<&str>],
@@ -278,6 +420,11 @@ impl Store {
     /// claims and the count deltas. Returns the audit stream's length afterwards, and how many
     /// `key:` marks already existed (keys this replay had replayed before: in Claim mode, a key
     /// published twice, which must never happen).
+    ///
+    /// A commit whose answer was lost (Redis timed out or went away) is tried again for as long
+    /// as [`Store::retry_for`] allows, holding the batch's messages: their publishes are
+    /// confirmed, and giving up here would leave them unknown. The commit carries an id that the
+    /// script records with it, so a retry of a commit that did go through writes nothing twice.
     pub async fn commit(
         &mut self,
         rows: &[AuditRow],
@@ -285,48 +432,67 @@ impl Store {
         release: &[(String, String)],
         delta: &Counts,
     ) -> Result<(u64, u64), Error> {
-        let mut p = redis::pipe();
-        p.atomic();
+        let invocation = self.commit_invocation(rows, settled, release, delta);
+        let started = tokio::time::Instant::now();
+        let mut delays = retry_delays();
+        loop {
+            let e = match invocation.invoke_async::<Vec<u64>>(&mut self.con).await {
+                Ok(answer) => return Ok(commit_answer(&answer)),
+                Err(e) => Error::from(e),
+            };
+            let delay = delays.next().unwrap_or(COMMIT_RETRY_MAX_DELAY);
+            if !e.is_transient() || started.elapsed() + delay > self.retry_for {
+                return Err(e);
+            }
+            tracing::warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "committing a batch's outcome; trying again");
+            tokio::time::sleep(delay).await;
+        }
+    }
+
+    /// How long a lookup or commit whose answer was lost is tried again (zero: not at all).
+    pub fn retry_for(&mut self, budget: Duration) {
+        self.retry_for = budget;
+    }
+
+    fn commit_invocation(
+        &self,
+        rows: &[AuditRow],
+        settled: &[(String, String)],
+        release: &[(String, String)],
+        delta: &Counts,
+    ) -> redis::ScriptInvocation<'static> {
         let (keys, marks): (Vec<_>, Vec<_>) =
             settled.iter().partition(|(f, _)| f.starts_with("key:"));
+        let mut inv = commit_script().prepare_invoke();
+        inv.key(&self.keys.audit)
+            .key(&self.keys.settled)
+            .key(&self.keys.state);
+        inv.arg(uuid::Uuid::new_v4().simple().to_string());
+        inv.arg(AuditRow::FIELDS.len())
+            .arg(AuditRow::FIELDS.as_slice());
+        inv.arg(rows.len());
         for row in rows {
-            let c = p.cmd("XADD").arg(&self.keys.audit).arg("*");
-            for (f, v) in AuditRow::FIELDS.iter().zip(row.values()) {
-                c.arg(*f).arg(v);
+            inv.arg(row.values().as_slice());
+        }
+        for pairs in [&marks, &keys] {
+            inv.arg(pairs.len());
+            for (f, v) in pairs.iter() {
+                inv.arg(f).arg(v);
             }
-            c.ignore();
         }
-        if !marks.is_empty() {
-            p.cmd("HSET").arg(&self.keys.settled).arg(marks).ignore();
-        }
-        for (field, value) in &keys {
-            p.cmd("HSETNX")
-                .arg(&self.keys.settled)
-                .arg(field)
-                .arg(value);
-        }
+        inv.arg(release.len());
         for (key, value) in release {
-            p.cmd("EVAL")
-                .arg(RELEASE)
-                .arg(1)
-                .arg(key)
-                .arg(value)
-                .ignore();
+            inv.key(key).arg(value);
         }
-        for (field, n) in count_fields(delta) {
-            if n > 0 {
-                p.cmd("HINCRBY")
-                    .arg(&self.keys.state)
-                    .arg(field)
-                    .arg(n)
-                    .ignore();
-            }
+        let counts: Vec<_> = count_fields(delta)
+            .into_iter()
+            .filter(|(_, n)| *n > 0)
+            .collect();
+        inv.arg(counts.len());
+        for (field, n) in counts {
+            inv.arg(field).arg(n);
         }
-        p.cmd("XLEN").arg(&self.keys.audit);
-        let mut answers: Vec<u64> = p.query_async(&mut self.con).await?;
-        let len = answers.pop().unwrap_or(0);
-        let again = answers.iter().filter(|set| **set == 0).count() as u64;
-        Ok((len, again))
+        inv
     }
 
     /// A handle on the same Redis.
@@ -433,5 +599,104 @@ fn parse_state(map: &HashMap<String, String>) -> State {
         records: 0,
         final_status: map.get("final").cloned(),
         canary: map.get("canary").cloned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Against the real Redis (REDIS_URL, else the local one), under keys of their own.
+    use super::*;
+
+    async fn store(name: &str) -> Store {
+        let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/".into());
+        let con = connect(&url).await.expect("redis");
+        let ns = format!("unit-{}", uuid::Uuid::new_v4().simple());
+        Store::begin(con, &ns, name, 0, "now")
+            .await
+            .expect("begin")
+            .0
+    }
+
+    async fn cleanup(s: &mut Store, extra: &[&str]) {
+        let k = s.keys().clone();
+        let mut cmd = redis::cmd("DEL");
+        cmd.arg(&k.state).arg(&k.audit).arg(&k.settled).arg(extra);
+        cmd.query_async::<()>(&mut s.con).await.expect("del");
+    }
+
+    fn row(message: &str) -> AuditRow {
+        AuditRow {
+            message: message.into(),
+            decision: "replayed".into(),
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_commit_sent_again_after_a_lost_answer_writes_nothing_twice() {
+        let mut s = store("commit-once").await;
+        let settled = [("fp1".to_string(), "replayed".to_string())];
+        let delta = Counts {
+            scanned: 2,
+            replayed: 2,
+            ..Default::default()
+        };
+        let inv = s.commit_invocation(&[row("a"), row("b")], &settled, &[], &delta);
+        let first: Vec<u64> = inv.invoke_async(&mut s.con).await.expect("first");
+        // The same invocation again, as a retry after a timed-out answer sends it.
+        let again: Vec<u64> = inv.invoke_async(&mut s.con).await.expect("again");
+        assert_eq!(first, vec![2, 0, 1]);
+        assert_eq!(again, vec![2, 0, 0], "the retry must apply nothing");
+        let state: HashMap<String, String> = redis::cmd("HGETALL")
+            .arg(&s.keys().state)
+            .query_async(&mut s.con)
+            .await
+            .expect("state");
+        assert_eq!(state.get("c:replayed").map(String::as_str), Some("2"));
+        // A new commit (a new id) is applied.
+        let (len, _) = s
+            .commit(&[row("c")], &[], &[], &Counts::default())
+            .await
+            .expect("next");
+        assert_eq!(len, 3);
+        cleanup(&mut s, &[]).await;
+    }
+
+    #[tokio::test]
+    async fn hand_back_frees_only_our_unpublished_claims() {
+        let mut s = store("hand-back").await;
+        let tag = uuid::Uuid::new_v4().simple().to_string();
+        let [ours, published, theirs] =
+            ["ours", "published", "theirs"].map(|k| format!("unit-idem:{tag}:{k}"));
+        let mine = "replay/7";
+        let mut p = redis::pipe();
+        p.cmd("SET").arg(&ours).arg(mine).ignore();
+        p.cmd("SET").arg(&published).arg(mine).ignore();
+        p.cmd("SET").arg(&theirs).arg("other/1").ignore();
+        p.cmd("HSET")
+            .arg(&s.keys().settled)
+            .arg(format!("key:{published}"))
+            .arg("m")
+            .ignore();
+        p.query_async::<()>(&mut s.con).await.expect("setup");
+        let keys = [
+            Some(ours.as_str()),
+            Some(published.as_str()),
+            Some(theirs.as_str()),
+            None,
+        ];
+        s.hand_back(&keys, mine).await.expect("hand back");
+        let left: Vec<Option<String>> = redis::cmd("MGET")
+            .arg(&ours)
+            .arg(&published)
+            .arg(&theirs)
+            .query_async(&mut s.con)
+            .await
+            .expect("mget");
+        assert_eq!(
+            left,
+            vec![None, Some(mine.to_string()), Some("other/1".to_string())]
+        );
+        cleanup(&mut s, &[&ours, &published, &theirs]).await;
     }
 }

@@ -667,7 +667,8 @@ pub async fn redis_pause(
         ));
     }
     let status = ended(task, &mut problems).await;
-    finish_on(w, &redis.url(), &w.topo.work.clone(), "redis CLIENT PAUSE ALL", mode, n, 1, &status, &mut problems, |p, _| {
+    finish_on(w, &redis.url(), &w.topo.work.clone(), "redis CLIENT PAUSE ALL", mode, n, 1, &status, &mut problems, |p, problems| {
+        no_unknown_after_redis_came_back(p, problems);
         format!(
             "paused {:.1}s; from 0.6s to {:.1}s of it: target {target_a}→{target_b}, DLQ {}→{}; {} OutcomeUnknown",
             pause.as_secs_f64(),
@@ -678,6 +679,17 @@ pub async fn redis_pause(
         )
     })
     .await
+}
+
+/// A Redis that is back within the reconnect budget costs no outcome: the lookup or commit
+/// whose answer was lost is asked again, the batch's messages held meanwhile.
+fn no_unknown_after_redis_came_back(p: &Places, problems: &mut Vec<String>) {
+    if p.unknown() > 0 {
+        problems.push(format!(
+            "{} messages quarantined OutcomeUnknown although Redis came back",
+            p.unknown()
+        ));
+    }
 }
 
 /// Fault 3b: the replay's Redis is killed (`kill -9`) mid-drain and started again after
@@ -714,7 +726,8 @@ pub async fn redis_restart(
         1,
         &status,
         &mut problems,
-        |p, _| {
+        |p, problems| {
+            no_unknown_after_redis_came_back(p, problems);
             format!(
                 "down {:.1}s; {} OutcomeUnknown",
                 down.as_secs_f64(),
