@@ -213,10 +213,15 @@ const RECONNECT_MAX_DELAY: Duration = Duration::from_secs(8);
 
 /// 0.25 s, 0.5 s, 1 s … capped at 8 s, with jitter so that replicas do not reconnect in step.
 fn reconnect_delays() -> impl Iterator<Item = Duration> {
+    backoff(RECONNECT_MAX_DELAY)
+}
+
+/// 0.25 s doubling up to `max`, with jitter, without end.
+pub(crate) fn backoff(max: Duration) -> impl Iterator<Item = Duration> {
     use backon::BackoffBuilder;
     backon::ExponentialBuilder::default()
         .with_min_delay(Duration::from_millis(250))
-        .with_max_delay(RECONNECT_MAX_DELAY)
+        .with_max_delay(max)
         .with_jitter()
         .without_max_times()
         .build()

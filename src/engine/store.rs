@@ -89,13 +89,7 @@ const COMMIT_RETRY_MAX_DELAY: Duration = Duration::from_secs(4);
 /// 0.25 s doubling to 4 s with jitter: a Redis that paused or restarted is back soon, and the
 /// batch's messages are held meanwhile.
 fn retry_delays() -> impl Iterator<Item = Duration> {
-    use backon::BackoffBuilder;
-    backon::ExponentialBuilder::default()
-        .with_min_delay(Duration::from_millis(250))
-        .with_max_delay(COMMIT_RETRY_MAX_DELAY)
-        .with_jitter()
-        .without_max_times()
-        .build()
+    crate::engine::backoff(COMMIT_RETRY_MAX_DELAY)
 }
 
 /// The replay's durable state, as stored under its state key.
