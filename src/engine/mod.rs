@@ -82,7 +82,8 @@ pub struct Options {
     /// How often a draining replay looks for its own messages coming back.
     pub return_check: Duration,
     /// How long a replay that lost its broker or Redis connection keeps trying to reconnect
-    /// (with backoff) before it ends `Failed`; zero: it ends at the first loss.
+    /// (with backoff) before it ends `Failed`, and how long a Redis call whose answer was lost
+    /// is asked again with the batch held; zero: it ends at the first loss.
     pub reconnect: Duration,
 }
 
