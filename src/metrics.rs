@@ -28,6 +28,14 @@ pub struct PhaseLabel {
     pub phase: String,
 }
 
+/// A label of one kind of retry.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RetryLabel {
+    /// reconnect (a new pass after a lost connection), redis_lookup or redis_commit (a Redis
+    /// call whose answer was lost, asked again with the batch held).
+    pub of: String,
+}
+
 /// The operator's metrics.
 pub struct Metrics {
     /// Messages by decision.
@@ -38,6 +46,8 @@ pub struct Metrics {
     pub publish_latency: Histogram,
     /// Keys published twice in Claim mode; must stay 0.
     pub double_published: Counter,
+    /// Retries after a lost connection or a lost Redis answer, by kind.
+    pub retries: Family<RetryLabel, Counter>,
     /// Whether this instance leads (drives replays).
     pub leader: Gauge,
     registry: Registry,
@@ -53,6 +63,12 @@ impl Metrics {
         let leader = Gauge::default();
         let publish_latency = Histogram::new(exponential_buckets(0.0005, 2.0, 14));
         let double_published = Counter::default();
+        let retries = Family::<RetryLabel, Counter>::default();
+        registry.register(
+            "retries",
+            "Reconnects and Redis calls asked again after a lost answer",
+            retries.clone(),
+        );
         registry.register(
             "publish_latency_seconds",
             "Publish to broker confirm",
@@ -76,6 +92,7 @@ impl Metrics {
             leader,
             publish_latency,
             double_published,
+            retries,
             registry,
             ready: AtomicBool::new(false),
         })
@@ -85,6 +102,13 @@ impl Metrics {
     pub fn global() -> Arc<Self> {
         static GLOBAL: std::sync::OnceLock<Arc<Metrics>> = std::sync::OnceLock::new();
         GLOBAL.get_or_init(Metrics::new).clone()
+    }
+
+    /// Count one retry of kind `of` (see [`RetryLabel`]).
+    pub fn retried(&self, of: &str) {
+        self.retries
+            .get_or_create(&RetryLabel { of: of.into() })
+            .inc();
     }
 
     /// Count the decisions between two count snapshots.

@@ -195,6 +195,7 @@ pub async fn run(
             progress.send_replace(status.clone());
             return Ok(status);
         }
+        crate::metrics::Metrics::global().retried("reconnect");
         tracing::warn!(replay = %replay.name, error = %why, delay_ms = delay.as_millis() as u64, "connection lost; reconnecting");
         let mut waiting = last.clone();
         waiting.message = Some(format!(

@@ -335,6 +335,7 @@ impl Store {
                 return Err(e);
             }
             lost = true;
+            crate::metrics::Metrics::global().retried("redis_lookup");
             tracing::warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "looking up a batch's keys; trying again");
             tokio::time::sleep(delay).await;
         }
@@ -438,6 +439,7 @@ impl Store {
             if !e.is_transient() || started.elapsed() + delay > self.retry_for {
                 return Err(e);
             }
+            crate::metrics::Metrics::global().retried("redis_commit");
             tracing::warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "committing a batch's outcome; trying again");
             tokio::time::sleep(delay).await;
         }

@@ -636,6 +636,7 @@ pub async fn redis_pause(
     let redis = OwnRedis::start();
     let task = start_drain(w, mode, n, rate, Some(&redis.url())).await;
     until_depth(w, &w.topo.work, n / 4, Duration::from_secs(120)).await;
+    let retries_before = redis_retries();
     redis.pause(pause.as_millis() as u64);
     let paused = Instant::now();
     // The batch in flight when the pause began may still publish and wait; after that, nothing
@@ -667,10 +668,18 @@ pub async fn redis_pause(
         ));
     }
     let status = ended(task, &mut problems).await;
+    // Counted process-wide: another scenario running beside this one may add to it, but a
+    // pause past the engine's 5 s Redis timeout must have made this one ask again.
+    let retried = redis_retries() - retries_before;
+    if pause > Duration::from_secs(6) && retried == 0 {
+        problems.push(format!(
+            "Redis was paused {pause:?}, past the 5 s timeout, yet no Redis call was asked again"
+        ));
+    }
     finish_on(w, &redis.url(), &w.topo.work.clone(), "redis CLIENT PAUSE ALL", mode, n, 1, &status, &mut problems, |p, problems| {
         no_unknown_after_redis_came_back(p, problems);
         format!(
-            "paused {:.1}s; from 0.6s to {:.1}s of it: target {target_a}→{target_b}, DLQ {}→{}; {} OutcomeUnknown",
+            "paused {:.1}s; from 0.6s to {:.1}s of it: target {target_a}→{target_b}, DLQ {}→{}; {retried} Redis calls asked again; {} OutcomeUnknown",
             pause.as_secs_f64(),
             looked.as_secs_f64(),
             dlq_a.unwrap_or(0),
@@ -679,6 +688,19 @@ pub async fn redis_pause(
         )
     })
     .await
+}
+
+/// Redis calls asked again after a lost answer, so far in this process.
+fn redis_retries() -> u64 {
+    let m = dlq_replay::metrics::Metrics::global();
+    ["redis_lookup", "redis_commit"]
+        .map(|of| {
+            m.retries
+                .get_or_create(&dlq_replay::metrics::RetryLabel { of: of.into() })
+                .get()
+        })
+        .iter()
+        .sum()
 }
 
 /// A Redis that is back within the reconnect budget costs no outcome: the lookup or commit
