@@ -213,9 +213,15 @@ fn not_json(body: &[u8]) -> String {
             "NotJson: body is {} bytes of binary (not UTF-8)",
             body.len()
         ),
-        Ok(_) => format!(
-            "NotJson: body is {} bytes of text that is not JSON",
-            body.len()
+        // serde_json's message names the place and the problem (e.g. nesting past its 128
+        // levels), never the body's content.
+        Ok(text) => format!(
+            "NotJson: body is {} bytes of text that is not JSON ({})",
+            body.len(),
+            serde_json::from_str::<Value>(text)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_else(|| "unreadable".into())
         ),
     }
 }
@@ -454,6 +460,20 @@ mod tests {
             classify(&f.rules(), &BasicProperties::default(), b"{}"),
             Verdict::Replay { .. }
         ));
+    }
+
+    #[test]
+    fn not_json_says_where_and_why_without_the_body() {
+        let deep = format!("{}{}", "[".repeat(200), "]".repeat(200));
+        let why = not_json(deep.as_bytes());
+        assert!(
+            why.starts_with("NotJson: body is 400 bytes of text that is not JSON ("),
+            "{why}"
+        );
+        assert!(why.contains("recursion limit exceeded"), "{why}");
+        let why = not_json(b"{\"secret\": nope}");
+        assert!(why.contains("line 1 column"), "{why}");
+        assert!(!why.contains("nope") && !why.contains("secret"), "{why}");
     }
 
     #[test]
