@@ -271,6 +271,7 @@ async fn run_pass(
     // A batch whose publishes are confirmed is worth waiting for Redis: as long as a lost
     // connection would be.
     store.retry_for(opts.reconnect);
+    store.report_waits_to(progress.clone());
     if let Some(done) = &state.final_status {
         let status: DlqReplayStatus = serde_json::from_str(done)
             .map_err(|e| Error::Redis(format!("stored final status is unreadable: {e}")))?;

@@ -207,6 +207,8 @@ pub struct Store {
     con: ConnectionManager,
     keys: Keys,
     retry_for: Duration,
+    /// Where a wait for Redis is said (the replay's status message), if anywhere.
+    waits: Option<crate::engine::Progress>,
 }
 
 /// Connect to Redis; the error never repeats the URL.
@@ -279,6 +281,7 @@ impl Store {
                 con,
                 keys,
                 retry_for: Duration::ZERO,
+                waits: None,
             },
             state,
         ))
@@ -335,8 +338,7 @@ impl Store {
                 return Err(e);
             }
             lost = true;
-            crate::metrics::Metrics::global().retried("redis_lookup");
-            tracing::warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "looking up a batch's keys; trying again");
+            self.retrying("redis_lookup", &e, delay);
             tokio::time::sleep(delay).await;
         }
     }
@@ -439,8 +441,7 @@ impl Store {
             if !e.is_transient() || started.elapsed() + delay > self.retry_for {
                 return Err(e);
             }
-            crate::metrics::Metrics::global().retried("redis_commit");
-            tracing::warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "committing a batch's outcome; trying again");
+            self.retrying("redis_commit", &e, delay);
             tokio::time::sleep(delay).await;
         }
     }
@@ -448,6 +449,26 @@ impl Store {
     /// How long a lookup or commit whose answer was lost is tried again (zero: not at all).
     pub fn retry_for(&mut self, budget: Duration) {
         self.retry_for = budget;
+    }
+
+    /// Say in `progress`'s status message when a batch waits for Redis (the next report of
+    /// the drain replaces it).
+    pub fn report_waits_to(&mut self, progress: crate::engine::Progress) {
+        self.waits = Some(progress);
+    }
+
+    /// One more retry of `what`: counted, logged, and said in the status.
+    fn retrying(&self, what: &str, e: &Error, delay: Duration) {
+        crate::metrics::Metrics::global().retried(what);
+        tracing::warn!(error = %e, retry_in_ms = delay.as_millis() as u64, call = what, "a Redis answer was lost; asking again");
+        if let Some(p) = &self.waits {
+            p.send_modify(|s| {
+                s.message = Some(format!(
+                    "WaitingForRedis: {e}; the batch in hand is held (nothing published unchecked, nothing acked unrecorded); asking again in {:.1}s",
+                    delay.as_secs_f64()
+                ))
+            });
+        }
     }
 
     fn commit_invocation(

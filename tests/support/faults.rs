@@ -379,13 +379,27 @@ async fn start_drain(
     rate: u32,
     redis_url: Option<&str>,
 ) -> tokio::task::JoinHandle<Result<DlqReplayStatus, String>> {
+    start_watched_drain(w, mode, n, rate, redis_url).await.0
+}
+
+/// [`start_drain`], with the replay's progress to look at.
+async fn start_watched_drain(
+    w: &World,
+    mode: &'static str,
+    n: usize,
+    rate: u32,
+    redis_url: Option<&str>,
+) -> (
+    tokio::task::JoinHandle<Result<DlqReplayStatus, String>>,
+    tokio::sync::watch::Receiver<DlqReplayStatus>,
+) {
     dead_letter_n(w, n).await;
     let resource = w.manifest(&format!(
         "{}  rate: {{messagesPerSecond: {rate}}}\n",
         w.idempotency(mode)
     ));
     let replay = w.replay_on(&resource, redis_url.unwrap_or(REDIS));
-    spawn_engine(replay, Options::default())
+    spawn_watched_engine(replay, Options::default())
 }
 
 /// Run the replay in this process (the engine, with its reconnect loop) and return its task.
@@ -393,11 +407,39 @@ pub fn spawn_engine(
     replay: Replay,
     opts: Options,
 ) -> tokio::task::JoinHandle<Result<DlqReplayStatus, String>> {
-    tokio::spawn(async move {
-        let (tx, _rx) = tokio::sync::watch::channel(DlqReplayStatus::default());
+    spawn_watched_engine(replay, opts).0
+}
+
+/// [`spawn_engine`], with the replay's progress to look at.
+fn spawn_watched_engine(
+    replay: Replay,
+    opts: Options,
+) -> (
+    tokio::task::JoinHandle<Result<DlqReplayStatus, String>>,
+    tokio::sync::watch::Receiver<DlqReplayStatus>,
+) {
+    let (tx, rx) = tokio::sync::watch::channel(DlqReplayStatus::default());
+    let task = tokio::spawn(async move {
         engine::run(&replay, &opts, &tx, &CancellationToken::new())
             .await
             .map_err(|e| e.to_string())
+    });
+    (task, rx)
+}
+
+/// Every distinct status message `rx` shows until its replay ends.
+fn messages_of(
+    mut rx: tokio::sync::watch::Receiver<DlqReplayStatus>,
+) -> tokio::task::JoinHandle<Vec<String>> {
+    tokio::spawn(async move {
+        let mut seen: Vec<String> = Vec::new();
+        while rx.changed().await.is_ok() {
+            let m = rx.borrow_and_update().message.clone().unwrap_or_default();
+            if seen.last() != Some(&m) {
+                seen.push(m);
+            }
+        }
+        seen
     })
 }
 
@@ -634,7 +676,8 @@ pub async fn redis_pause(
     pause: Duration,
 ) -> Tally {
     let redis = OwnRedis::start();
-    let task = start_drain(w, mode, n, rate, Some(&redis.url())).await;
+    let (task, progress) = start_watched_drain(w, mode, n, rate, Some(&redis.url())).await;
+    let messages = messages_of(progress);
     until_depth(w, &w.topo.work, n / 4, Duration::from_secs(120)).await;
     let retries_before = redis_retries();
     redis.pause(pause.as_millis() as u64);
@@ -671,9 +714,12 @@ pub async fn redis_pause(
     // Counted process-wide: another scenario running beside this one may add to it, but a
     // pause past the engine's 5 s Redis timeout must have made this one ask again.
     let retried = redis_retries() - retries_before;
-    if pause > Duration::from_secs(6) && retried == 0 {
+    let said = messages.await.unwrap_or_default();
+    let waiting = said.iter().any(|m| m.starts_with("WaitingForRedis:"));
+    if pause > Duration::from_secs(6) && (retried == 0 || !waiting) {
         problems.push(format!(
-            "Redis was paused {pause:?}, past the 5 s timeout, yet no Redis call was asked again"
+            "Redis was paused {pause:?}, past the 5 s timeout, yet {retried} Redis calls were asked again and the status said (besides \"replaying, …\") {:?}",
+            said.iter().filter(|m| !m.starts_with("replaying")).collect::<Vec<_>>()
         ));
     }
     finish_on(w, &redis.url(), &w.topo.work.clone(), "redis CLIENT PAUSE ALL", mode, n, 1, &status, &mut problems, |p, problems| {
