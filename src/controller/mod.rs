@@ -263,11 +263,13 @@ async fn apply(obj: Arc<DlqReplay>, ctx: Arc<Context>) -> Result<Action, Error> 
     }
     let cancel = CancellationToken::new();
     let by_user = Arc::new(AtomicBool::new(false));
-    let stop = Stop {
-        cancel: cancel.clone(),
-        by_user: by_user.clone(),
-    };
-    let handle = tokio::spawn(drive(ctx.clone(), obj.clone(), replay, stop));
+    let handle = tokio::spawn(drive(
+        ctx.clone(),
+        obj.clone(),
+        replay,
+        cancel.clone(),
+        by_user.clone(),
+    ));
     tasks.insert(
         key,
         Task {
@@ -380,20 +382,13 @@ async fn publish_event(ctx: &Context, obj: &DlqReplay, status: &DlqReplayStatus)
     .await;
 }
 
-/// How a running replay is told to stop, and by whom.
-struct Stop {
-    cancel: CancellationToken,
-    by_user: Arc<AtomicBool>,
-}
-
 /// What the operator stopping a replay (not the user) leaves in its status: `Pending`, because
 /// the replay waits for an operator to lead again and resume it; `Suspended` would read as the
 /// user's `spec.suspend`.
 fn operator_stopped(status: DlqReplayStatus) -> DlqReplayStatus {
-    let c = &status.counts;
     let message = format!(
-        "OperatorStopped: the operator stopped (shutdown or lost lease) after the in-flight messages settled; the next operator to lead resumes it; so far replayed {}, duplicates {}, quarantined {}, skipped {}, failed {}",
-        c.replayed, c.duplicates, c.quarantined, c.skipped, c.failed
+        "OperatorStopped: the operator stopped (shutdown or lost lease) after the in-flight messages settled; the next operator to lead resumes it; so far {}",
+        engine::summary(&status.counts)
     );
     DlqReplayStatus {
         phase: Some(Phase::Pending),
@@ -402,9 +397,15 @@ fn operator_stopped(status: DlqReplayStatus) -> DlqReplayStatus {
     }
 }
 
-/// Run the engine for one replay, writing its status as it goes.
-async fn drive(ctx: Arc<Context>, obj: Arc<DlqReplay>, replay: Replay, stop: Stop) {
-    let Stop { cancel, by_user } = stop;
+/// Run the engine for one replay, writing its status as it goes. `by_user` is set when the
+/// stop that `cancel` brings is the user's `spec.suspend`.
+async fn drive(
+    ctx: Arc<Context>,
+    obj: Arc<DlqReplay>,
+    replay: Replay,
+    cancel: CancellationToken,
+    by_user: Arc<AtomicBool>,
+) {
     let key = key_of(&obj);
     let (tx, mut rx) = watch::channel(obj.status.clone().unwrap_or_default());
     let writer_ctx = ctx.clone();

@@ -219,7 +219,7 @@ fn reconnect_delays() -> impl Iterator<Item = Duration> {
 }
 
 /// 0.25 s doubling up to `max`, with jitter, without end.
-pub(crate) fn backoff(max: Duration) -> impl Iterator<Item = Duration> {
+pub(crate) fn backoff(max: Duration) -> backon::ExponentialBackoff {
     use backon::BackoffBuilder;
     backon::ExponentialBuilder::default()
         .with_min_delay(Duration::from_millis(250))
@@ -1178,11 +1178,7 @@ impl<'a> Drain<'a> {
             }
         }
         let mut status = self.status.clone();
-        let c = status.counts;
-        let summary = format!(
-            "replayed {}, duplicates {}, quarantined {}, skipped {}, failed {}",
-            c.replayed, c.duplicates, c.quarantined, c.skipped, c.failed
-        );
+        let summary = summary(&status.counts);
         let (phase, message) = match end {
             End::Drained => (Phase::Done, summary),
             End::LimitReached => {
@@ -1218,6 +1214,14 @@ impl<'a> Drain<'a> {
         }
         status
     }
+}
+
+/// The counts as a status message says them.
+pub fn summary(c: &Counts) -> String {
+    format!(
+        "replayed {}, duplicates {}, quarantined {}, skipped {}, failed {}",
+        c.replayed, c.duplicates, c.quarantined, c.skipped, c.failed
+    )
 }
 
 fn add(c: &mut Counts, d: &Counts) {

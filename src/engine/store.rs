@@ -70,12 +70,9 @@ fn commit_script() -> &'static redis::Script {
     SCRIPT.get_or_init(|| redis::Script::new(COMMIT))
 }
 
-/// The audit stream's length and the `key:` marks that existed, from the script's answer.
-fn commit_answer(answer: &[u64]) -> (u64, u64) {
-    let (len, again, applied) = match answer {
-        [len, again, applied] => (*len, *again, *applied),
-        _ => (0, 0, 1),
-    };
+/// The audit stream's length and the `key:` marks that existed, from the script's answer
+/// (those two, and whether this call applied the commit).
+fn commit_answer((len, again, applied): (u64, u64, u64)) -> (u64, u64) {
     if applied == 0 {
         tracing::info!(
             "a batch's outcome was already recorded by the commit whose answer was lost"
@@ -84,12 +81,32 @@ fn commit_answer(answer: &[u64]) -> (u64, u64) {
     (len, again)
 }
 
-const COMMIT_RETRY_MAX_DELAY: Duration = Duration::from_secs(4);
+const RETRY_MAX_DELAY: Duration = Duration::from_secs(4);
 
-/// 0.25 s doubling to 4 s with jitter: a Redis that paused or restarted is back soon, and the
-/// batch's messages are held meanwhile.
-fn retry_delays() -> impl Iterator<Item = Duration> {
-    crate::engine::backoff(COMMIT_RETRY_MAX_DELAY)
+/// The retries of one Redis call whose answer was lost: 0.25 s doubling to 4 s with jitter (a
+/// Redis that paused or restarted is back soon, and the batch's messages are held meanwhile),
+/// for as long as the budget allows.
+struct Retries {
+    started: tokio::time::Instant,
+    budget: Duration,
+    delays: backon::ExponentialBackoff,
+}
+
+impl Retries {
+    fn new(budget: Duration) -> Self {
+        Self {
+            started: tokio::time::Instant::now(),
+            budget,
+            delays: crate::engine::backoff(RETRY_MAX_DELAY),
+        }
+    }
+
+    /// How long to wait before asking again after `e`; `None`: give up (not a lost answer, or
+    /// the budget is spent).
+    fn next(&mut self, e: &Error) -> Option<Duration> {
+        let delay = self.delays.next().unwrap_or(RETRY_MAX_DELAY);
+        (e.is_transient() && self.started.elapsed() + delay <= self.budget).then_some(delay)
+    }
 }
 
 /// The replay's durable state, as stored under its state key.
@@ -319,8 +336,7 @@ impl Store {
         keys: &[Option<&str>],
         claim: Option<(&str, u64)>,
     ) -> Result<Vec<Lookup>, Error> {
-        let started = tokio::time::Instant::now();
-        let mut delays = retry_delays();
+        let mut retries = Retries::new(self.retry_for);
         let mut lost = false;
         loop {
             let attempt = async {
@@ -333,13 +349,11 @@ impl Store {
                 Ok(answer) => return Ok(answer),
                 Err(e) => e,
             };
-            let delay = delays.next().unwrap_or(COMMIT_RETRY_MAX_DELAY);
-            if !e.is_transient() || started.elapsed() + delay > self.retry_for {
+            let Some(delay) = retries.next(&e) else {
                 return Err(e);
-            }
+            };
             lost = true;
-            self.retrying("redis_lookup", &e, delay);
-            tokio::time::sleep(delay).await;
+            self.wait_to_retry("redis_lookup", &e, delay).await;
         }
     }
 
@@ -430,19 +444,16 @@ impl Store {
         delta: &Counts,
     ) -> Result<(u64, u64), Error> {
         let invocation = self.commit_invocation(rows, settled, release, delta);
-        let started = tokio::time::Instant::now();
-        let mut delays = retry_delays();
+        let mut retries = Retries::new(self.retry_for);
         loop {
-            let e = match invocation.invoke_async::<Vec<u64>>(&mut self.con).await {
-                Ok(answer) => return Ok(commit_answer(&answer)),
+            let e = match invocation.invoke_async(&mut self.con).await {
+                Ok(answer) => return Ok(commit_answer(answer)),
                 Err(e) => Error::from(e),
             };
-            let delay = delays.next().unwrap_or(COMMIT_RETRY_MAX_DELAY);
-            if !e.is_transient() || started.elapsed() + delay > self.retry_for {
+            let Some(delay) = retries.next(&e) else {
                 return Err(e);
-            }
-            self.retrying("redis_commit", &e, delay);
-            tokio::time::sleep(delay).await;
+            };
+            self.wait_to_retry("redis_commit", &e, delay).await;
         }
     }
 
@@ -457,8 +468,8 @@ impl Store {
         self.waits = Some(progress);
     }
 
-    /// One more retry of `what`: counted, logged, and said in the status.
-    fn retrying(&self, what: &str, e: &Error, delay: Duration) {
+    /// One more retry of `what`: counted, logged, said in the status, then waited for.
+    async fn wait_to_retry(&self, what: &str, e: &Error, delay: Duration) {
         crate::metrics::Metrics::global().retried(what);
         tracing::warn!(error = %e, retry_in_ms = delay.as_millis() as u64, call = what, "a Redis answer was lost; asking again");
         if let Some(p) = &self.waits {
@@ -469,6 +480,7 @@ impl Store {
                 ))
             });
         }
+        tokio::time::sleep(delay).await;
     }
 
     fn commit_invocation(
