@@ -1,27 +1,34 @@
 //! The canary: pre-flight checks, one message per failure signature, and watching for it to
 //! come back before the rest is drained.
 //!
-//! Canaries are chosen with `basic.get` on a channel of their own: only the canaries are acked
-//! (after their publish is confirmed and audited); closing the channel hands every other message
-//! back to the queue in its place. Watching for returns looks at the queue only when its depth
-//! grew past what it held when the canaries left, and looks without taking anything.
+//! Canaries are chosen in one traversal of the queue ([`Scan`]): only the canaries are taken
+//! (acked after their publish is confirmed and audited); every other message is moved to the
+//! tail, so the queue afterwards holds them in their old order and no delivery count grew. A
+//! failed pre-flight puts the candidates back the same way and waits on the cheap checks alone
+//! before looking at the queue again. Returns are watched on a queue of our own bound to the
+//! dead-letter routes ([`Returns`]); where no route is known, an infrequent traversal of the
+//! watched queues (that moves, never hands back) looks for them instead.
 
 use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicGetOptions};
 use lapin::Connection;
 use redis::aio::ConnectionManager;
 
 use crate::api::{CanaryResult, CanaryStatus, Counts, DlqReplaySpec, IdempotencyMode};
 use crate::engine::classify::{self, Destination, Rules, Verdict};
-use crate::engine::message::{self, REPLAY_ID};
+use crate::engine::message;
 use crate::engine::now;
 use crate::engine::publish::{self, Publisher};
+use crate::engine::scan::Scan;
 use crate::engine::source;
 use crate::engine::store::{AuditRow, Store};
+use crate::engine::watch::{self, Returned, Returns};
 use crate::Error;
+
+/// Without a route to watch, the watched queues are traversed at most this often.
+const SEARCH_EVERY: Duration = Duration::from_secs(10);
 
 /// One signature's canary candidate, chosen from the queue.
 struct Candidate {
@@ -35,13 +42,13 @@ struct Candidate {
 /// What the selection pass found.
 pub enum Selection {
     /// Canaries are out: watch them.
-    Sent(Watch),
+    Sent(Box<Watch>),
     /// Nothing to canary (no replayable message).
     Nothing,
-    /// A pre-flight check failed; nothing was touched.
-    Pending(String),
+    /// A pre-flight check failed (the reason), on these target queues; the queue is as it was.
+    Pending(String, Vec<String>),
     /// The queue fails a check that waiting cannot fix (too much poison: the fix is probably not
-    /// deployed; too many signatures); nothing was touched.
+    /// deployed; too many signatures); nothing was replayed.
     Refused(String),
 }
 
@@ -51,12 +58,26 @@ pub struct Watch {
     pub canaries: Vec<CanaryStatus>,
     keys: Vec<Option<String>>,
     identities: Vec<String>,
+    /// The watch queue on the dead-letter routes, when any is known.
+    returns: Option<Returns>,
+    /// Without one: what each watched queue held at the last look, and when it was searched.
     baselines: BTreeMap<String, u32>,
+    last_search: Option<tokio::time::Instant>,
     deadline: tokio::time::Instant,
     /// Counts of the canary publishes.
     pub delta: Counts,
     /// Audit rows written.
     pub records: u64,
+}
+
+/// Where the canary phase works: the replay's connections, its Redis and its broker URL.
+pub struct Ground<'a> {
+    /// The source connection (reads, checks, the watch queue).
+    pub conn: &'a Connection,
+    /// The broker URL (names the per-queue ledger and routes).
+    pub amqp_url: &'a str,
+    /// The replay's Redis.
+    pub redis: ConnectionManager,
 }
 
 fn too_many_signatures(spec: &DlqReplaySpec, scanned: u64) -> String {
@@ -70,7 +91,7 @@ fn too_many_signatures(spec: &DlqReplaySpec, scanned: u64) -> String {
 /// Choose one canary per signature, check the ground, publish them. `replay_id` tags them.
 #[allow(clippy::too_many_arguments)]
 pub async fn send(
-    conn: &Connection,
+    ground: &Ground<'_>,
     spec: &DlqReplaySpec,
     replay_id: &str,
     claim_value: &str,
@@ -79,40 +100,64 @@ pub async fn send(
     redis: &mut ConnectionManager,
 ) -> Result<Selection, Error> {
     let queue = &spec.source.queue;
-    let depth = source::queue_state(conn, queue)
-        .await?
-        .ok_or_else(|| Error::SourceMissing(queue.clone()))?
-        .0;
-    let ch = conn.create_channel().await?;
+    let mut scan = Scan::open(
+        ground.conn,
+        publisher.connection(),
+        ground.redis.clone(),
+        ground.amqp_url,
+        queue,
+    )
+    .await?;
     let rules = Rules::of(spec, replay_id);
     let mut by_sig: BTreeMap<String, Candidate> = BTreeMap::new();
     let mut counts: BTreeMap<String, u64> = BTreeMap::new();
     let (mut scanned, mut poison) = (0u64, 0u64);
-    for _ in 0..depth {
-        let Some(m) = ch
-            .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false })
-            .await?
-        else {
-            break;
-        };
-        let d = m.delivery;
+    // Once the selection cannot go on (too many signatures, a failed pre-flight), the rest of the
+    // traversal keeps every message, so that a full pass leaves the queue in its old order.
+    let mut refused: Option<String> = None;
+    let mut pending: Option<String> = None;
+    let mut checked: Vec<String> = Vec::new();
+    while let Some(d) = scan.next().await? {
+        if refused.is_some() {
+            scan.keep(d).await?;
+            continue;
+        }
         scanned += 1;
         let (key, destination) = match classify::classify(&rules, &d.properties, &d.data) {
             Verdict::Replay { key, destination } => (key, destination),
             Verdict::Poison(_) => {
                 poison += 1;
+                scan.keep(d).await?;
                 continue;
             }
-            Verdict::Skip(_) => continue,
+            Verdict::Skip(_) => {
+                scan.keep(d).await?;
+                continue;
+            }
         };
         let sig = classify::signature(&spec.canary.signature_header, &d.properties);
         *counts.entry(sig.clone()).or_default() += 1;
         if counts.len() > spec.canary.max_signatures as usize {
-            let _ = ch.close(200, "too many signatures".into()).await;
-            return Ok(Selection::Refused(too_many_signatures(spec, scanned)));
-        }
-        if by_sig.contains_key(&sig) || is_done(spec, redis, key.as_deref()).await? {
+            refused = Some(too_many_signatures(spec, scanned));
+            scan.keep(d).await?;
             continue;
+        }
+        if pending.is_some()
+            || by_sig.contains_key(&sig)
+            || is_done(spec, redis, key.as_deref()).await?
+        {
+            scan.keep(d).await?;
+            continue;
+        }
+        // A new candidate: check the ground it would land on now, so that a failed check leaves
+        // it in its place.
+        if let Some(q) = landing_queue(spec, &d).filter(|q| !checked.contains(q)) {
+            checked.push(q.clone());
+            if let Some(why) = preflight(ground.conn, spec, &[q]).await? {
+                pending = Some(why);
+                scan.keep(d).await?;
+                continue;
+            }
         }
         by_sig.insert(
             sig.clone(),
@@ -125,33 +170,74 @@ pub async fn send(
             },
         );
     }
+    if let Some(why) = refused {
+        put_back(scan, by_sig, true).await?;
+        return Ok(Selection::Refused(why));
+    }
     if let Some(max) = spec.poison.max_quarantine_ratio {
         if scanned > 0 && poison as f64 / scanned as f64 > max {
-            let _ = ch.close(200, "too much poison".into()).await;
+            put_back(scan, by_sig, true).await?;
             return Ok(Selection::Refused(format!(
                 "{poison} of {scanned} messages are poison, more than poison.maxQuarantineRatio {max}: the fix is probably not deployed; nothing was replayed"
             )));
         }
     }
+    if let Some(why) = pending {
+        put_back(scan, by_sig, true).await?;
+        return Ok(Selection::Pending(why, checked));
+    }
     if by_sig.is_empty() {
-        let _ = ch.close(200, "no canary".into()).await;
+        scan.finish(true).await?;
         return Ok(Selection::Nothing);
     }
-    if let Some(reason) = preflight(conn, spec, by_sig.values()).await? {
-        let _ = ch.close(200, "pending".into()).await;
-        return Ok(Selection::Pending(reason));
+    // Checked once more: the traversal took a while.
+    if let Some(why) = preflight(ground.conn, spec, &checked).await? {
+        put_back(scan, by_sig, true).await?;
+        return Ok(Selection::Pending(why, checked));
     }
     let mut cands: Vec<Candidate> = by_sig.into_values().collect();
     for c in &mut cands {
         c.messages = counts.get(&c.signature).copied().unwrap_or(0);
     }
-    let watch =
-        publish_canaries(&ch, spec, replay_id, claim_value, publisher, store, cands).await?;
-    // Everything but the canaries goes back in place.
-    ch.close(200, "canaries out".into()).await?;
-    let mut watch = watch;
-    watch.baselines = baselines(conn, spec, depth, &watch).await?;
-    Ok(Selection::Sent(watch))
+    // Everything else is back in the queue; watch before anything leaves, so that a canary
+    // that comes back at once is seen.
+    scan.flush().await?;
+    let mut routes = watch::known(redis, ground.amqp_url, queue).await?;
+    routes.extend(scan.routes().iter().cloned());
+    let returns = Returns::open(ground.conn, &routes).await?;
+    let baselines = match returns {
+        Some(_) => BTreeMap::new(),
+        None => {
+            tracing::info!(queue = %queue, every_s = SEARCH_EVERY.as_secs(), "no dead-letter route known: canary returns are searched for by traversal");
+            baselines(ground.conn, spec).await?
+        }
+    };
+    let mut watch = publish_canaries(
+        &mut scan,
+        spec,
+        replay_id,
+        claim_value,
+        publisher,
+        store,
+        cands,
+    )
+    .await?;
+    scan.finish(true).await?;
+    watch.returns = returns;
+    watch.baselines = baselines;
+    Ok(Selection::Sent(Box::new(watch)))
+}
+
+/// Move the held candidates back into the queue and end the traversal.
+async fn put_back(
+    mut scan: Scan,
+    by_sig: BTreeMap<String, Candidate>,
+    complete: bool,
+) -> Result<(), Error> {
+    for c in by_sig.into_values() {
+        scan.keep(c.delivery).await?;
+    }
+    scan.finish(complete).await
 }
 
 async fn is_done(
@@ -169,27 +255,24 @@ async fn is_done(
     })
 }
 
-/// The ground a canary lands on: the target's queue exists, has a consumer, and a small
+/// The queue a candidate would land on; none when the target exchange is overridden (the
+/// landing queue is then the broker's business, not ours).
+fn landing_queue(spec: &DlqReplaySpec, d: &Delivery) -> Option<String> {
+    if spec.target.exchange.is_some() {
+        return None;
+    }
+    classify::original_queue(&d.properties)
+}
+
+/// The ground a canary lands on: each target queue exists, has a consumer, and a small
 /// backlog. Returns the first failed check.
-async fn preflight<'a>(
+pub async fn preflight(
     conn: &Connection,
     spec: &DlqReplaySpec,
-    cands: impl Iterator<Item = &'a Candidate>,
+    queues: &[String],
 ) -> Result<Option<String>, Error> {
-    let mut queues: Vec<String> = Vec::new();
-    for c in cands {
-        // With an overridden exchange the landing queue is the broker's business, not ours.
-        if spec.target.exchange.is_some() {
-            continue;
-        }
-        if let Some(q) = classify::original_queue(&c.delivery.properties) {
-            if !queues.contains(&q) {
-                queues.push(q);
-            }
-        }
-    }
     for q in queues {
-        match source::queue_state(conn, &q).await? {
+        match source::queue_state(conn, q).await? {
             None => {
                 return Ok(Some(format!(
                     "TargetQueueMissing: target queue {q:?} does not exist"
@@ -214,7 +297,7 @@ async fn preflight<'a>(
 
 #[allow(clippy::too_many_arguments)]
 async fn publish_canaries(
-    ch: &lapin::Channel,
+    scan: &mut Scan,
     spec: &DlqReplaySpec,
     replay_id: &str,
     claim_value: &str,
@@ -236,12 +319,15 @@ async fn publish_canaries(
         canaries: Vec::new(),
         keys: Vec::new(),
         identities: Vec::new(),
+        returns: None,
         baselines: BTreeMap::new(),
+        last_search: None,
         deadline: tokio::time::Instant::now() + wait,
         delta: Counts::default(),
         records: 0,
     };
-    let (mut rows, mut settled, mut acks) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut rows, mut settled, mut acks, mut stays) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for c in cands {
         let props = &c.delivery.properties;
         let identity = message::identity(props, &c.delivery.data);
@@ -257,6 +343,8 @@ async fn publish_canaries(
                 )
                 .await?;
             if !l.first().is_some_and(|l| l.claimed) {
+                // Claimed by someone else meanwhile: not a canary after all; it stays.
+                scan.keep(c.delivery).await?;
                 continue;
             }
         }
@@ -306,86 +394,36 @@ async fn publish_canaries(
             time: now(),
             ..Default::default()
         });
+        let failed = status.result == CanaryResult::DiedAgain;
         watch.canaries.push(status);
         watch.keys.push(c.key);
         watch.identities.push(identity);
+        if failed {
+            stays.push(c.delivery);
+        }
     }
     watch.records = store.commit(&rows, &settled, &[], &watch.delta).await?.0;
     for tag in acks {
-        ch.basic_ack(tag, BasicAckOptions::default()).await?;
+        scan.ack(tag).await?;
+    }
+    for d in stays {
+        scan.keep(d).await?;
     }
     Ok(watch)
 }
 
-/// What each watched queue holds once the canaries left: the source's depth before, minus the
-/// canaries taken from it, so a canary that came back before the first look still counts.
+/// What each watched queue holds now, with the canaries not yet out and everything else back in
+/// the queue: a queue that grows past it may hold a returned canary.
 async fn baselines(
     conn: &Connection,
     spec: &DlqReplaySpec,
-    depth: u32,
-    w: &Watch,
 ) -> Result<BTreeMap<String, u32>, Error> {
-    let sent = w
-        .canaries
-        .iter()
-        .filter(|c| c.result == CanaryResult::Waiting)
-        .count() as u32;
     let mut out = BTreeMap::new();
-    out.insert(spec.source.queue.clone(), depth.saturating_sub(sent));
-    for q in &spec.canary.watch_queues {
+    for q in std::iter::once(&spec.source.queue).chain(&spec.canary.watch_queues) {
         let now = source::queue_state(conn, q).await?.map_or(0, |s| s.0);
         out.insert(q.clone(), now);
     }
     Ok(out)
-}
-
-/// A message this replay published that came back with a fresh death.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Returned {
-    /// Its identity (message id or body hash).
-    pub identity: String,
-    /// Its fingerprint (message id and body).
-    pub fingerprint: String,
-    /// The new death, e.g. `died again: rejected in media.work, x-exception-type=KeyError`.
-    pub reason: String,
-}
-
-/// Look through a queue without taking anything (every message goes back in place when the
-/// channel closes) for messages of this replay carrying a death. Returns the queue's length and
-/// what came back.
-pub async fn find_returns(
-    conn: &Connection,
-    queue: &str,
-    replay_id: &str,
-    sig_header: &str,
-) -> Result<(u32, Vec<Returned>), Error> {
-    let ch = conn.create_channel().await?;
-    let mut n = 0u32;
-    let mut out = Vec::new();
-    while let Some(m) = ch
-        .basic_get(queue.into(), BasicGetOptions { no_ack: false })
-        .await?
-    {
-        n += 1;
-        let p = &m.delivery.properties;
-        if message::header_text(p, REPLAY_ID).as_deref() != Some(replay_id) {
-            continue;
-        }
-        let Some(death) = message::deaths(p).into_iter().next() else {
-            continue;
-        };
-        let mut reason = format!("died again: {} in {}", death.reason, death.queue);
-        if let Some(v) = message::header_text(p, sig_header) {
-            reason.push_str(&format!(", {sig_header}={v}"));
-        }
-        out.push(Returned {
-            identity: message::identity(p, &m.delivery.data),
-            fingerprint: message::fingerprint(p, &m.delivery.data),
-            reason,
-        });
-    }
-    ch.close(200, "looked".into()).await?;
-    Ok((n, out))
 }
 
 impl Watch {
@@ -396,26 +434,22 @@ impl Watch {
             .all(|c| c.result != CanaryResult::Waiting)
     }
 
-    /// One look: queues that grew are searched for returned canaries; with Check mode, keys
+    /// One look: new dead letters on the watched routes (or, without a route, queues that grew
+    /// and were not searched lately) are checked for returned canaries; with Check mode, keys
     /// marked done confirm their canary. Returns true when the wait is over.
     pub async fn look(
         &mut self,
-        conn: &Connection,
+        ground: &Ground<'_>,
+        publish: &Connection,
         spec: &DlqReplaySpec,
         replay_id: &str,
         redis: &mut ConnectionManager,
     ) -> Result<bool, Error> {
-        let queues: Vec<(String, u32)> = self
-            .baselines
-            .iter()
-            .map(|(q, n)| (q.clone(), *n))
-            .collect();
-        for (q, base) in queues {
-            let now = source::queue_state(conn, &q).await?.map_or(0, |s| s.0);
-            if now > base {
-                self.search(conn, &q, replay_id, &spec.canary.signature_header)
-                    .await?;
-            }
+        if let Some(r) = &self.returns {
+            let found = r.poll(replay_id, &spec.canary.signature_header).await?;
+            self.mark(found);
+        } else {
+            self.search(ground, publish, spec, replay_id).await?;
         }
         if let Some(idem) = spec
             .idempotency
@@ -448,25 +482,68 @@ impl Watch {
                 }
             }
         }
-        Ok(over || self.settled())
+        if over || self.settled() {
+            if let Some(r) = self.returns.take() {
+                r.close().await;
+            }
+            return Ok(true);
+        }
+        Ok(false)
     }
 
-    /// Look through a queue without taking anything, for canaries carrying a fresh death.
-    async fn search(
-        &mut self,
-        conn: &Connection,
-        queue: &str,
-        replay_id: &str,
-        sig_header: &str,
-    ) -> Result<(), Error> {
-        let (n, returns) = find_returns(conn, queue, replay_id, sig_header).await?;
-        for r in returns {
+    fn mark(&mut self, found: Vec<Returned>) {
+        for r in found {
             if let Some(i) = self.identities.iter().position(|x| *x == r.identity) {
                 self.canaries[i].result = CanaryResult::DiedAgain;
                 self.canaries[i].reason = Some(r.reason);
             }
         }
-        self.baselines.insert(queue.to_string(), n);
+    }
+
+    /// Without a route to watch: traverse each watched queue that grew, at most every
+    /// [`SEARCH_EVERY`], moving what it holds (never handing it back).
+    async fn search(
+        &mut self,
+        ground: &Ground<'_>,
+        publish: &Connection,
+        spec: &DlqReplaySpec,
+        replay_id: &str,
+    ) -> Result<(), Error> {
+        if self.last_search.is_some_and(|t| t.elapsed() < SEARCH_EVERY) {
+            return Ok(());
+        }
+        let queues: Vec<(String, u32)> = self
+            .baselines
+            .iter()
+            .map(|(q, n)| (q.clone(), *n))
+            .collect();
+        for (q, base) in queues {
+            let now = source::queue_state(ground.conn, &q)
+                .await?
+                .map_or(0, |s| s.0);
+            if now <= base {
+                continue;
+            }
+            self.last_search = Some(tokio::time::Instant::now());
+            let mut scan = Scan::open(
+                ground.conn,
+                publish,
+                ground.redis.clone(),
+                ground.amqp_url,
+                &q,
+            )
+            .await?;
+            let mut found = Vec::new();
+            while let Some(d) = scan.next().await? {
+                if let Some(r) = watch::returned(&d, replay_id, &spec.canary.signature_header) {
+                    found.push(r);
+                }
+                scan.keep(d).await?;
+            }
+            scan.finish(true).await?;
+            self.mark(found);
+            self.baselines.insert(q, now);
+        }
         Ok(())
     }
 

@@ -5,12 +5,15 @@
 
 pub mod canary;
 pub mod classify;
+pub mod keep;
 pub mod key;
 pub mod message;
 pub mod plan;
 pub mod publish;
+pub mod scan;
 pub mod source;
 pub mod store;
+pub mod watch;
 
 use std::num::NonZeroU32;
 use std::time::Duration;
@@ -20,7 +23,6 @@ use lapin::message::Delivery;
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
-use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::api::{AuditRef, Counts, DlqReplaySpec, DlqReplayStatus, IdempotencyMode, Phase};
@@ -103,7 +105,7 @@ impl Default for Options {
 }
 
 /// Where the engine publishes its status as it goes.
-pub type Progress = watch::Sender<DlqReplayStatus>;
+pub type Progress = tokio::sync::watch::Sender<DlqReplayStatus>;
 
 /// A timestamp in the form status and audit rows use.
 pub fn now() -> String {
@@ -355,7 +357,10 @@ async fn replay_pass(
 
     let batch = batch_size(&replay.spec, opts.batch);
     let window = (batch * 2).min(u16::MAX as usize) as u16;
-    let src = Source::open(src_conn, &replay.spec.source.queue, window).await?;
+    let queue = &replay.spec.source.queue;
+    let src = Source::open(src_conn, queue, window, depth.into()).await?;
+    let mover = keep::Mover::open(publisher.connection(), queue).await?;
+    let ledger = keep::Ledger::open(store.redis(), &replay.amqp_url, queue).await?;
     let mut drain = Drain::new(
         replay,
         &state,
@@ -366,8 +371,29 @@ async fn replay_pass(
         depth.into(),
         batch,
     );
+    drain.keeper = Some((mover, ledger));
     drain.held_back = held;
+    if replay.spec.canary.enabled {
+        let mut redis = drain.store.redis();
+        drain.routes = watch::known(&mut redis, &replay.amqp_url, queue).await?;
+        drain.returns = watch::Returns::open(src_conn, &drain.routes).await?;
+    }
     let end = drain.run(opts, progress, cancel).await;
+    if let End::Drained = end {
+        // Every message the pass began with was met: the ledger's doubts about them are settled.
+        if let Some((_, ledger)) = drain.keeper.as_mut() {
+            if let Err(e) = ledger.resolved().await {
+                tracing::warn!(error = %e, "settling the move ledger");
+            }
+        }
+    }
+    let mut redis = drain.store.redis();
+    if let Err(e) = watch::learn(&mut redis, &replay.amqp_url, queue, &drain.routes).await {
+        tracing::warn!(error = %e, "remembering the dead-letter routes");
+    }
+    if let Some(r) = drain.returns.take() {
+        r.close().await;
+    }
     let lost = match &end {
         End::Error(e) if e.is_transient() => Some(e.to_string()),
         End::Error(e) if !drain.connected(src_conn) => Some(format!("connection lost: {e}")),
@@ -425,10 +451,15 @@ async fn canary_phase(
     }
     let claim_value = format!("{}/{}", state.replay_id, state.attempt);
     let mut redis = store.redis();
+    let ground = canary::Ground {
+        conn,
+        amqp_url: &replay.amqp_url,
+        redis: redis.clone(),
+    };
     let started = tokio::time::Instant::now();
     let mut watch = loop {
         let sel = canary::send(
-            conn,
+            &ground,
             spec,
             &state.replay_id,
             &claim_value,
@@ -445,21 +476,33 @@ async fn canary_phase(
                 status.message = Some(why);
                 return Ok(CanaryEnd::Stop);
             }
-            canary::Selection::Pending(why) => {
-                status.phase = Some(Phase::Pending);
-                status.message = Some(format!(
-                    "{why}; checking again every {}s",
-                    opts.recheck.as_secs()
-                ));
-                progress.send_replace(status.clone());
-                let timed_out = opts.pending_timeout.is_some_and(|t| started.elapsed() >= t);
-                if timed_out || cancel.is_cancelled() {
+            canary::Selection::Pending(why, queues) => {
+                // The queue is as it was; only the cheap checks run until they pass, then the
+                // queue is looked at again.
+                let mut why = why;
+                loop {
+                    status.phase = Some(Phase::Pending);
                     status.message = Some(format!(
-                        "still Pending ({why}); gave up waiting, nothing was touched"
+                        "{why}; checking again every {}s",
+                        opts.recheck.as_secs()
                     ));
-                    return Ok(CanaryEnd::Stop);
+                    progress.send_replace(status.clone());
+                    let timed_out = opts.pending_timeout.is_some_and(|t| started.elapsed() >= t);
+                    if timed_out || cancel.is_cancelled() {
+                        status.message = Some(format!(
+                            "still Pending ({why}); gave up waiting, nothing was touched"
+                        ));
+                        return Ok(CanaryEnd::Stop);
+                    }
+                    tokio::select! {
+                        _ = tokio::time::sleep(opts.recheck) => {}
+                        _ = cancel.cancelled() => {}
+                    }
+                    match canary::preflight(conn, spec, &queues).await? {
+                        Some(still) => why = still,
+                        None => break,
+                    }
                 }
-                tokio::time::sleep(opts.recheck).await;
             }
         }
     };
@@ -482,7 +525,16 @@ async fn canary_phase(
     ));
     status.canary = watch.canaries.clone();
     progress.send_replace(status.clone());
-    while !watch.look(conn, spec, &state.replay_id, &mut redis).await? {
+    while !watch
+        .look(
+            &ground,
+            publisher.connection(),
+            spec,
+            &state.replay_id,
+            &mut redis,
+        )
+        .await?
+    {
         status.canary = watch.canaries.clone();
         progress.send_replace(status.clone());
         tokio::time::sleep(opts.look).await;
@@ -580,6 +632,9 @@ enum Act {
         same_attempt: bool,
     },
     AlreadySettled,
+    /// A second copy of a message this pass already met, left by an interrupted move (the
+    /// ledger counts it): dropped, with an audit row.
+    Leftover,
     Replayed(Destination),
     Quarantined(String),
     Failed(String),
@@ -591,6 +646,10 @@ enum Act {
 
 struct Item {
     delivery: Delivery,
+    /// The move ledger's digest, computed when needed (a kept or a leftover message).
+    digest: Option<String>,
+    /// Whether a kept message's copy is at the tail.
+    moved: Option<keep::Moved>,
     /// What audit rows call the message (message id or body hash).
     identity: String,
     /// What the settled marks call it: a hash of message id and body.
@@ -604,7 +663,6 @@ enum End {
     TooManyReturns(u64, String),
     LimitReached,
     Cancelled,
-    HoldFull,
     Error(Error),
 }
 
@@ -626,6 +684,12 @@ struct Drain<'a> {
     /// Messages of this replay that came back (by fingerprint) behind the pass's bound.
     returns_behind: std::collections::HashSet<String>,
     last_return_check: Option<tokio::time::Instant>,
+    /// Moves kept messages to the tail, and the ledger of copies a crash may have doubled.
+    keeper: Option<(keep::Mover, keep::Ledger)>,
+    /// The dead-letter routes seen (and known before), for the return watch.
+    routes: std::collections::BTreeSet<watch::Route>,
+    /// The return watch, when a route is known.
+    returns: Option<watch::Returns>,
 }
 
 impl<'a> Drain<'a> {
@@ -657,6 +721,9 @@ impl<'a> Drain<'a> {
             held_back: Default::default(),
             returns_behind: Default::default(),
             last_return_check: None,
+            keeper: None,
+            routes: Default::default(),
+            returns: None,
         }
     }
 
@@ -672,7 +739,7 @@ impl<'a> Drain<'a> {
                 return End::Drained;
             }
             if self.limit_reached() {
-                return End::LimitReached;
+                return self.stop_at_limit().await;
             }
             if cancel.is_cancelled() {
                 return End::Cancelled;
@@ -700,10 +767,8 @@ impl<'a> Drain<'a> {
                 continue;
             }
             stalled = Duration::ZERO;
-            match self.step(deliveries).await {
-                Ok(true) => {}
-                Ok(false) => return End::HoldFull,
-                Err(e) => return End::Error(e),
+            if let Err(e) = self.step(deliveries).await {
+                return End::Error(e);
             }
             match self.check_returns(opts).await {
                 Ok(Some(end)) => return end,
@@ -715,14 +780,15 @@ impl<'a> Drain<'a> {
     }
 
     /// While draining, watch for replayed messages that die again. They land behind the pass's
-    /// bound, so the consumer never sees them: when the queue holds more than the pass has
-    /// left (something arrived), look through it, without taking anything, for this replay's
-    /// returns. Above `canary.maxReturnRatio` of the replayed, stop.
+    /// bound, so the consumer never sees them: the watch queue on the dead-letter routes gets a
+    /// copy of each new dead letter, and this replay's are counted. Above
+    /// `canary.maxReturnRatio` of the replayed, stop. Without a known route there is nothing to
+    /// watch while draining (a traversal would compete with the drain's own consumer).
     async fn check_returns(&mut self, opts: &Options) -> Result<Option<End>, Error> {
         let spec = &self.replay.spec;
-        if !spec.canary.enabled {
+        let Some(watch) = self.returns.as_ref().filter(|_| spec.canary.enabled) else {
             return Ok(None);
-        }
+        };
         let due = self
             .last_return_check
             .is_none_or(|t| t.elapsed() >= opts.return_check);
@@ -730,21 +796,9 @@ impl<'a> Drain<'a> {
             return Ok(None);
         }
         self.last_return_check = Some(tokio::time::Instant::now());
-        let conn = self.publisher.connection();
-        let ready = source::queue_state(conn, &spec.source.queue)
-            .await?
-            .map_or(0, |s| s.0);
-        let left = self.bound.saturating_sub(self.seen);
-        if u64::from(ready) <= left + self.returns_behind.len() as u64 {
-            return Ok(None);
-        }
-        let (_, found) = canary::find_returns(
-            conn,
-            &spec.source.queue,
-            &self.replay_id,
-            &spec.canary.signature_header,
-        )
-        .await?;
+        let found = watch
+            .poll(&self.replay_id, &spec.canary.signature_header)
+            .await?;
         let before = self.returns_behind.len();
         let mut last_reason = String::new();
         for r in found {
@@ -763,6 +817,23 @@ impl<'a> Drain<'a> {
             )));
         }
         Ok(None)
+    }
+
+    /// `selector.limit` reached: what the consumer already holds goes to the tail as skipped;
+    /// the rest was never delivered and stays where it is.
+    async fn stop_at_limit(&mut self) -> End {
+        let held = match self.source.as_mut() {
+            Some(src) => src.stop().await,
+            None => Ok(Vec::new()),
+        };
+        match held {
+            Ok(d) if d.is_empty() => End::LimitReached,
+            Ok(d) => match self.step(d).await {
+                Ok(()) => End::LimitReached,
+                Err(e) => End::Error(e),
+            },
+            Err(e) => End::Error(e),
+        }
     }
 
     /// Whether both of the pass's broker connections are still up (an error on a channel can be
@@ -794,13 +865,56 @@ impl<'a> Drain<'a> {
             .is_none_or(|s| s.0 == 0))
     }
 
-    /// Decide, settle and acknowledge one batch. Returns false when the held messages no longer
-    /// fit in the prefetch window.
-    async fn step(&mut self, deliveries: Vec<Delivery>) -> Result<bool, Error> {
+    /// Decide, settle and acknowledge one batch.
+    async fn step(&mut self, deliveries: Vec<Delivery>) -> Result<(), Error> {
         let mut items = self.classify(deliveries);
         self.gate(&mut items).await?;
         self.publish(&mut items).await?;
+        self.keep(&mut items).await?;
         self.settle(items).await
+    }
+
+    /// Leave what the batch does not take (skipped, held back, failed) in the queue: moved to
+    /// the tail, behind the pass's bound (see [`keep`]).
+    async fn keep(&mut self, items: &mut [Item]) -> Result<(), Error> {
+        // A batch with an unconfirmed publish ends the pass: its messages go back to the queue
+        // when the channel closes, and the next pass decides them again.
+        if items.iter().any(|it| matches!(it.act, Act::Unknown(_))) {
+            return Ok(());
+        }
+        let Some((mover, ledger)) = self.keeper.as_mut() else {
+            return Ok(());
+        };
+        let idx: Vec<usize> = (0..items.len())
+            .filter(|&i| matches!(items[i].act, Act::Skip { .. } | Act::Failed(_)))
+            .collect();
+        if idx.is_empty() {
+            return Ok(());
+        }
+        let digests: Vec<String> = idx
+            .iter()
+            .map(|&i| {
+                let it = &mut items[i];
+                it.digest
+                    .get_or_insert_with(|| keep::digest(&it.delivery.properties, &it.delivery.data))
+                    .clone()
+            })
+            .collect();
+        ledger.intend(&digests).await?;
+        let msgs: Vec<_> = idx
+            .iter()
+            .map(|&i| {
+                (
+                    &items[i].delivery.properties,
+                    items[i].delivery.data.as_slice(),
+                )
+            })
+            .collect();
+        let moved = mover.copy(&msgs).await?;
+        for (&i, m) in idx.iter().zip(moved) {
+            items[i].moved = Some(m);
+        }
+        Ok(())
     }
 
     fn classify(&mut self, deliveries: Vec<Delivery>) -> Vec<Item> {
@@ -813,9 +927,31 @@ impl<'a> Drain<'a> {
                 break;
             }
             self.seen += 1;
+            if !delivery.exchange.as_str().is_empty() {
+                if let Some(r) = watch::route_of(&delivery) {
+                    self.routes.insert(r);
+                }
+            }
             let props = &delivery.properties;
             let identity = message::identity(props, &delivery.data);
             let fingerprint = message::fingerprint(props, &delivery.data);
+            let mut digest = None;
+            if let Some((_, ledger)) = self.keeper.as_mut().filter(|(_, l)| l.doubts()) {
+                let d = keep::digest(props, &delivery.data);
+                if ledger.is_leftover(&d) {
+                    items.push(Item {
+                        delivery,
+                        identity,
+                        fingerprint,
+                        digest: Some(d),
+                        moved: None,
+                        key: None,
+                        act: Act::Leftover,
+                    });
+                    continue;
+                }
+                digest = Some(d);
+            }
             let verdict = if self.limit_reached() {
                 Verdict::Skip(SkipReason::NotSelected("selector.limit reached".into()))
             } else {
@@ -853,6 +989,8 @@ impl<'a> Drain<'a> {
                 delivery,
                 identity,
                 fingerprint,
+                digest,
+                moved: None,
                 key,
                 act,
             });
@@ -1034,14 +1172,15 @@ impl<'a> Drain<'a> {
     }
 
     /// Record the batch (audit rows, settled marks, counts) atomically, then ack what is settled
-    /// and hold what stays.
-    async fn settle(&mut self, items: Vec<Item>) -> Result<bool, Error> {
+    /// or moved, and once the broker has processed those acks, take the moves' ledger counts
+    /// back.
+    async fn settle(&mut self, items: Vec<Item>) -> Result<(), Error> {
         let mut rows = Vec::new();
         let mut settled = Vec::new();
         let mut release = Vec::new();
         let mut delta = Counts::default();
         let mut acks = Vec::new();
-        let mut held = 0u32;
+        let mut taken_back = Vec::new();
         let mut unknown = 0u32;
         let mut unknown_why = String::new();
         // Unconfirmed publishes end the pass after this batch.
@@ -1054,6 +1193,20 @@ impl<'a> Drain<'a> {
             .as_ref()
             .is_some_and(|i| i.mode == IdempotencyMode::Claim);
         for item in &items {
+            // A kept message is acked once its copy is at the tail; a refused copy means no
+            // copy exists, so its ledger count comes back too (the original stays unacked).
+            let moved = match item.moved {
+                Some(keep::Moved::Copied) => {
+                    acks.push(item.delivery.delivery_tag);
+                    taken_back.extend(item.digest.clone());
+                    true
+                }
+                Some(keep::Moved::Refused) => {
+                    taken_back.extend(item.digest.clone());
+                    false
+                }
+                _ => false,
+            };
             let (decision, reason, destination) = match &item.act {
                 Act::AlreadySettled => {
                     acks.push(item.delivery.delivery_tag);
@@ -1063,8 +1216,16 @@ impl<'a> Drain<'a> {
                     delta.scanned += 1;
                     delta.skipped += 1;
                     delta.returned += u64::from(*returned);
-                    held += 1;
                     continue;
+                }
+                Act::Leftover => {
+                    delta.duplicates += 1;
+                    taken_back.extend(item.digest.clone());
+                    (
+                        "duplicate",
+                        "LeftoverCopy: a second copy of a message this pass already met, left by an interrupted move".to_string(),
+                        String::new(),
+                    )
                 }
                 Act::Replayed(d) => {
                     delta.replayed += 1;
@@ -1087,7 +1248,6 @@ impl<'a> Drain<'a> {
                     ("duplicate", reason.clone(), String::new())
                 }
                 Act::Failed(r) => {
-                    held += 1;
                     if claiming {
                         if let Some(k) = &item.key {
                             release.push((k.clone(), self.claim_value.clone()));
@@ -1104,7 +1264,6 @@ impl<'a> Drain<'a> {
                 Act::Unknown(why) => {
                     unknown += 1;
                     unknown_why.clone_from(why);
-                    held += 1;
                     continue;
                 }
                 // Publish resolves every Replay and Quarantine.
@@ -1112,13 +1271,17 @@ impl<'a> Drain<'a> {
             };
             delta.scanned += 1;
             if decision != "failed" {
-                settled.push((item.fingerprint.clone(), decision.to_string()));
+                if !matches!(item.act, Act::Leftover) {
+                    settled.push((item.fingerprint.clone(), decision.to_string()));
+                }
                 if decision == "replayed" {
                     if let Some(k) = &item.key {
                         settled.push((format!("key:{k}"), item.identity.clone()));
                     }
                 }
-                acks.push(item.delivery.delivery_tag);
+                if !moved {
+                    acks.push(item.delivery.delivery_tag);
+                }
             }
             rows.push(AuditRow {
                 id: String::new(),
@@ -1148,7 +1311,15 @@ impl<'a> Drain<'a> {
             .source
             .as_mut()
             .ok_or_else(|| Error::Broker("source closed".into()))?;
-        src.ack(&acks, held == 0).await?;
+        acks.sort_unstable();
+        src.ack(&acks, acks.len() == items.len(), items.len())
+            .await?;
+        if !taken_back.is_empty() {
+            src.sync().await?;
+            if let Some((_, ledger)) = self.keeper.as_mut() {
+                ledger.take_back(&taken_back).await?;
+            }
+        }
         if unknown > 0 {
             // What was confirmed is recorded and acked; the unconfirmed wait for the next pass,
             // which finds their claims (or publishes them again in Check mode) like a rerun.
@@ -1161,7 +1332,7 @@ impl<'a> Drain<'a> {
                 "{closed} with {unknown} publishes unconfirmed ({unknown_why})"
             )));
         }
-        src.hold(held).await
+        Ok(())
     }
 
     fn report(&mut self, progress: &Progress) {
@@ -1193,10 +1364,6 @@ impl<'a> Drain<'a> {
                 }
                 (Phase::Done, format!("selector.limit reached; {summary}"))
             }
-            End::HoldFull => (
-                Phase::Done,
-                format!("stopped after holding {} messages in place (the AMQP prefetch maximum); the rest were not looked at; {summary}", u16::MAX),
-            ),
             End::TooManyReturns(n, why) => (
                 Phase::Failed,
                 format!(

@@ -1,16 +1,18 @@
-//! The dry run: classify every message the replay would see, change nothing.
+//! The dry run: classify every message the replay would see, change nothing anyone can see.
 //!
-//! Messages are fetched with `basic.get` and never acked; closing the channel hands all of them
-//! back to the queue in their original positions. The idempotency store is only read.
+//! One traversal ([`Scan`]) reads each message and moves it to the tail: afterwards the queue
+//! holds the same messages, in the same order, with the same bytes, and (unlike handing them
+//! back) no quorum-queue delivery count grew, so a plan can be run any number of times. The
+//! idempotency keys are only read; the one write is the per-queue move ledger.
 
 use std::collections::BTreeMap;
 
-use lapin::options::BasicGetOptions;
 use serde::Serialize;
 
 use crate::api::{Counts, DlqReplayStatus, IdempotencyMode, Phase};
 use crate::engine::classify::{self, Rules, SkipReason, Verdict};
-use crate::engine::{connect_amqp, now, source, store, Replay};
+use crate::engine::scan::Scan;
+use crate::engine::{connect_amqp, now, store, Replay};
 use crate::Error;
 
 /// What a replay would do.
@@ -50,14 +52,8 @@ impl PlanReport {
 pub async fn plan(replay: &Replay) -> Result<PlanReport, Error> {
     let conn = connect_amqp(&replay.amqp_url, &replay.connection_name("plan")).await?;
     let queue = &replay.spec.source.queue;
-    let depth = source::queue_state(&conn, queue)
-        .await?
-        .ok_or_else(|| Error::SourceMissing(queue.clone()))?
-        .0;
-    let mut con = match replay.spec.idempotency {
-        Some(_) => Some(store::connect(&replay.redis_url).await?),
-        None => None,
-    };
+    let redis = store::connect(&replay.redis_url).await?;
+    let mut con = replay.spec.idempotency.as_ref().map(|_| redis.clone());
     // An existing replay of this name: recognise its own returned messages as it would.
     let replay_id = match con.clone() {
         Some(c) => store::Store::peek(c, &replay.namespace, &replay.state_name())
@@ -67,21 +63,15 @@ pub async fn plan(replay: &Replay) -> Result<PlanReport, Error> {
     }
     .unwrap_or_default();
     let rules = Rules::of(&replay.spec, &replay_id);
-    let channel = conn.create_channel().await?;
+    let mut scan = Scan::open(&conn, &conn, redis, &replay.amqp_url, queue).await?;
     let mut report = PlanReport {
-        depth: depth.into(),
+        depth: scan.depth(),
         ..Default::default()
     };
     let mut selected = 0u64;
     let mut pending: Vec<(String, String)> = Vec::new();
-    for _ in 0..depth {
-        let Some(msg) = channel
-            .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: false })
-            .await?
-        else {
-            break;
-        };
-        let d = &msg.delivery;
+    while let Some(msg) = scan.next().await? {
+        let d = &msg;
         let sig = classify::signature(&replay.spec.canary.signature_header, &d.properties);
         let limited = replay.spec.selector.limit.is_some_and(|l| selected >= l);
         let verdict = if limited {
@@ -100,6 +90,7 @@ pub async fn plan(replay: &Replay) -> Result<PlanReport, Error> {
                 };
                 bump(&mut report, &sig, |c| c.skipped += 1);
                 *report.reasons.entry(format!("skip: {why}")).or_default() += 1;
+                scan.keep(msg).await?;
                 continue;
             }
             Verdict::Poison(r) => {
@@ -120,13 +111,13 @@ pub async fn plan(replay: &Replay) -> Result<PlanReport, Error> {
                 bump(&mut report, &sig, |c| c.replayed += 1);
             }
         }
+        scan.keep(msg).await?;
         if pending.len() >= 256 {
             resolve(replay, con.as_mut(), &mut pending, &mut report).await?;
         }
     }
     resolve(replay, con.as_mut(), &mut pending, &mut report).await?;
-    // Closing without acking: every fetched message goes back where it was.
-    channel.close(200, "plan done".into()).await?;
+    scan.finish(true).await?;
     let _ = conn.close(200, "plan done".into()).await;
     Ok(report)
 }

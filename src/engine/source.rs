@@ -1,23 +1,26 @@
-//! The dead-letter queue side: depth at start, a prefetching consumer, acks, and leaving the
-//! messages that stay (skipped, failed, held back) exactly where they are.
+//! The dead-letter queue side: depth at start, a prefetching consumer bounded to the pass, acks.
 //!
-//! Messages that stay are never acked, nacked or republished while the replay runs: they stay
-//! unacked on the consuming channel, and closing the channel hands them back to the queue in
-//! their original positions with headers, properties and body untouched. Because they count
-//! against the prefetch window, the channel-wide prefetch grows with them.
+//! A pass takes exactly the messages the queue held when it began (its bound): what arrives
+//! during the pass, and the copies of kept messages the pass moves to the tail (see
+//! [`crate::engine::keep`]), are not its business. The consumer's prefetch is per consumer
+//! (quorum queues refuse a channel-wide one) and never lets the broker deliver past the bound:
+//! a message delivered past it would be handed back at the end of the pass, and on a quorum
+//! queue every hand-back counts toward the delivery limit. So before an ack would let the
+//! broker deliver past the bound, the consumer is cancelled and the rest of the bound is taken
+//! with `basic.get`, one message at a time, exactly.
 
 use std::time::Duration;
 
 use futures::{FutureExt, StreamExt};
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicGetOptions, BasicQosOptions,
+    QueueDeclareOptions,
+};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, Consumer};
 
 use crate::Error;
-
-/// The largest prefetch AMQP can express.
-const MAX_PREFETCH: u32 = u16::MAX as u32;
 
 /// Ready messages and consumers of a queue, or `None` when the queue does not exist.
 pub async fn queue_state(conn: &Connection, queue: &str) -> Result<Option<(u32, u32)>, Error> {
@@ -45,113 +48,225 @@ pub fn is_not_found(e: &lapin::Error) -> bool {
     e.to_string().contains("NOT_FOUND")
 }
 
-/// A consumer on the dead-letter queue.
+const CONSUMER_TAG: &str = "dlq-replay";
+
+/// A consumer on the dead-letter queue, bounded to one pass.
 pub struct Source {
     channel: Channel,
-    consumer: Consumer,
-    window: u32,
-    held: u32,
-    prefetch: u32,
+    queue: String,
+    /// `None` once the consumer was cancelled near the bound (or never started).
+    consumer: Option<Consumer>,
+    prefetch: u64,
+    /// How many messages this pass may take.
+    bound: u64,
+    /// Taken from the broker so far.
+    delivered: u64,
+    /// Acked so far.
+    acked: u64,
+    /// The consumer was cancelled (its last deliveries may still be buffered).
+    cancelled: bool,
+    /// Deliveries left unacked (an outcome unknown, a copy refused): no multiple ack may
+    /// cover them.
+    left: u64,
 }
 
 impl Source {
-    /// Start consuming `queue` with `window` messages in flight (plus the held ones).
-    pub async fn open(conn: &Connection, queue: &str, window: u16) -> Result<Self, Error> {
+    /// Start consuming at most `bound` messages of `queue`, `window` of them in flight.
+    pub async fn open(
+        conn: &Connection,
+        queue: &str,
+        window: u16,
+        bound: u64,
+    ) -> Result<Self, Error> {
         let channel = conn.create_channel().await?;
-        // Channel-wide (global) prefetch, because RabbitMQ applies a changed global limit to the
-        // running consumer, which lets it grow as messages are held.
-        channel
-            .basic_qos(window, BasicQosOptions { global: true })
-            .await?;
-        let consumer = channel
-            .basic_consume(
-                queue.into(),
-                "dlq-replay".into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
-        Ok(Self {
+        let prefetch = u64::from(window).min(bound);
+        let mut src = Self {
             channel,
-            consumer,
-            window: window.into(),
-            held: 0,
-            prefetch: window.into(),
-        })
+            queue: queue.into(),
+            consumer: None,
+            prefetch,
+            bound,
+            delivered: 0,
+            acked: 0,
+            cancelled: false,
+            left: 0,
+        };
+        if prefetch > 0 {
+            // Per consumer (global: false): the only kind quorum queues accept.
+            src.channel
+                .basic_qos(prefetch as u16, BasicQosOptions { global: false })
+                .await?;
+            src.consumer = Some(
+                src.channel
+                    .basic_consume(
+                        queue.into(),
+                        CONSUMER_TAG.into(),
+                        BasicConsumeOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await?,
+            );
+        }
+        Ok(src)
     }
 
-    /// Wait up to `idle` for one delivery, then take whatever else is ready, up to `max`.
-    /// Returns an empty batch when nothing came within `idle`.
+    /// The channel the deliveries came on (their acks go here).
+    pub fn channel(&self) -> &Channel {
+        &self.channel
+    }
+
+    /// Wait up to `idle` for one delivery, then take whatever else is ready, up to `max` and
+    /// never past the bound. Returns an empty batch when nothing came within `idle`.
     pub async fn next_batch(&mut self, max: usize, idle: Duration) -> Result<Vec<Delivery>, Error> {
+        let max = (max as u64).min(self.bound - self.delivered) as usize;
         let mut batch = Vec::with_capacity(max.min(1024));
-        let first = match tokio::time::timeout(idle, self.consumer.next()).await {
-            Err(_) => return Ok(batch),
-            Ok(None) => {
-                return Err(Error::Broker(
-                    "the dead-letter queue consumer was cancelled".into(),
-                ))
-            }
-            Ok(Some(d)) => d?,
-        };
-        batch.push(first);
-        while batch.len() < max {
-            match self.consumer.next().now_or_never() {
-                Some(Some(d)) => batch.push(d?),
-                Some(None) => break,
-                None => break,
-            }
+        if max == 0 {
+            return Ok(batch);
         }
+        if self.consumer.is_some() {
+            self.consume(&mut batch, max, idle).await?;
+        }
+        if self.consumer.is_none() && batch.len() < max {
+            self.get(&mut batch, max, idle).await?;
+        }
+        self.delivered += batch.len() as u64;
         Ok(batch)
     }
 
-    /// Keep `n` more messages unacked until the end; widen the prefetch so they do not starve
-    /// the consumer. Returns false when the prefetch cannot grow any further.
-    pub async fn hold(&mut self, n: u32) -> Result<bool, Error> {
-        self.held = self.held.saturating_add(n);
-        let wanted = self.window.saturating_add(self.held);
-        if wanted > MAX_PREFETCH {
-            return Ok(false);
+    async fn consume(
+        &mut self,
+        batch: &mut Vec<Delivery>,
+        max: usize,
+        idle: Duration,
+    ) -> Result<(), Error> {
+        let Some(consumer) = self.consumer.as_mut() else {
+            return Ok(());
+        };
+        match tokio::time::timeout(idle, consumer.next()).await {
+            Err(_) => return Ok(()),
+            Ok(Some(d)) => batch.push(d?),
+            Ok(None) => {
+                // Cancelled by us (near the bound): the rest comes by basic.get.
+                self.consumer = None;
+                return Ok(());
+            }
         }
-        if wanted > self.prefetch {
-            // Grow in steps so a long run of skipped messages is not one qos per batch.
-            let next = wanted.saturating_add(self.window).min(MAX_PREFETCH);
-            self.channel
-                .basic_qos(next as u16, BasicQosOptions { global: true })
+        while batch.len() < max {
+            match consumer.next().now_or_never() {
+                Some(Some(d)) => batch.push(d?),
+                Some(None) => {
+                    self.consumer = None;
+                    break;
+                }
+                None => break,
+            }
+        }
+        Ok(())
+    }
+
+    async fn get(
+        &mut self,
+        batch: &mut Vec<Delivery>,
+        max: usize,
+        idle: Duration,
+    ) -> Result<(), Error> {
+        while batch.len() < max {
+            let got = self
+                .channel
+                .basic_get(
+                    self.queue.as_str().into(),
+                    BasicGetOptions { no_ack: false },
+                )
                 .await?;
-            self.prefetch = next;
+            match got {
+                Some(m) => batch.push(m.delivery),
+                None if batch.is_empty() => {
+                    // Nothing ready: wait as a consumer would have.
+                    tokio::time::sleep(idle).await;
+                    break;
+                }
+                None => break,
+            }
         }
-        Ok(true)
+        Ok(())
     }
 
-    /// How many messages are held so far.
-    pub fn held(&self) -> u32 {
-        self.held
-    }
-
-    /// Acknowledge settled messages.
-    ///
-    /// With nothing held, every delivery up to the batch's last tag is settled (batches are
-    /// decided in delivery order), so one `multiple` ack covers the batch: one frame, not one
-    /// per message.
-    pub async fn ack(&self, tags: &[u64], batch_holds_nothing: bool) -> Result<(), Error> {
-        if self.held == 0 && batch_holds_nothing {
+    /// Acknowledge settled messages; `all` when every delivery of the batch is among them.
+    /// Deliveries are decided in order, so when nothing was ever left unacked one `multiple`
+    /// ack covers the batch: one frame, not one per message.
+    pub async fn ack(&mut self, tags: &[u64], all: bool, batch_len: usize) -> Result<(), Error> {
+        self.before_ack(tags.len() as u64).await?;
+        if !all {
+            self.left += (batch_len - tags.len()) as u64;
+        }
+        if self.left == 0 {
             if let Some(last) = tags.iter().max() {
                 self.channel
                     .basic_ack(*last, BasicAckOptions { multiple: true })
                     .await?;
             }
-            return Ok(());
+        } else {
+            for tag in tags {
+                self.channel
+                    .basic_ack(*tag, BasicAckOptions::default())
+                    .await?;
+            }
         }
-        for tag in tags {
+        self.acked += tags.len() as u64;
+        Ok(())
+    }
+
+    /// The broker delivers at most `acked + prefetch` messages to the consumer: before acks
+    /// that would let that pass the bound, stop the consumer. What it sent before the cancel is
+    /// still ours (and within the bound).
+    async fn before_ack(&mut self, n: u64) -> Result<(), Error> {
+        if self.consumer.is_some() && self.acked + n + self.prefetch > self.bound {
+            self.cancel().await?;
+        }
+        Ok(())
+    }
+
+    async fn cancel(&mut self) -> Result<(), Error> {
+        if !self.cancelled {
+            self.cancelled = true;
             self.channel
-                .basic_ack(*tag, BasicAckOptions::default())
+                .basic_cancel(CONSUMER_TAG.into(), BasicCancelOptions::default())
                 .await?;
         }
         Ok(())
     }
 
-    /// Close the channel: every message still unacked (held, or prefetched beyond the bound)
-    /// goes back to the queue in its original position.
+    /// Take nothing more: cancel the consumer and return what it had delivered already (the
+    /// broker sent those before its cancel-ok, so they are all buffered by now).
+    pub async fn stop(&mut self) -> Result<Vec<Delivery>, Error> {
+        let mut out = Vec::new();
+        if self.consumer.is_some() {
+            self.cancel().await?;
+        }
+        if let Some(mut consumer) = self.consumer.take() {
+            while let Some(Some(d)) = consumer.next().now_or_never() {
+                out.push(d?);
+            }
+        }
+        self.delivered += out.len() as u64;
+        self.bound = self.delivered;
+        Ok(out)
+    }
+
+    /// Wait until the broker has processed every ack sent so far (it handles a channel's
+    /// frames in order, so the answer to a synchronous method comes after them).
+    pub async fn sync(&self) -> Result<(), Error> {
+        self.channel
+            .basic_qos(
+                self.prefetch.max(1) as u16,
+                BasicQosOptions { global: false },
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Close the channel: every message still unacked (an unknown outcome) goes back to the
+    /// queue.
     pub async fn close(self) -> Result<(), Error> {
         self.channel
             .close(200, "replay pass finished".into())

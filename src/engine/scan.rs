@@ -1,0 +1,185 @@
+//! A traversal of a queue with `basic.get` that leaves every message where it is (moved to the
+//! tail, see [`crate::engine::keep`]) unless the caller takes it: `plan`, the canary's choice of
+//! canaries, and the canary's search for returns when no dead-letter exchange is known.
+//!
+//! It takes exactly the messages the queue held when it began, so the copies it moves to the
+//! tail are never met again, and after a full traversal the queue holds its messages in their
+//! old order. No message is ever handed back, so no delivery count grows, however often it runs.
+
+use std::collections::BTreeSet;
+
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicGetOptions, BasicQosOptions};
+use lapin::{Channel, Connection};
+use redis::aio::ConnectionManager;
+
+use crate::engine::keep::{self, Ledger, Moved, Mover};
+use crate::engine::source;
+use crate::engine::watch::{self, Route};
+use crate::Error;
+
+/// Kept messages moved together: one ledger write, one confirm wait.
+const MOVE_BATCH: usize = 256;
+
+/// One traversal of one queue.
+pub struct Scan {
+    ch: Channel,
+    queue: String,
+    mover: Mover,
+    ledger: Ledger,
+    redis: ConnectionManager,
+    amqp_url: String,
+    depth: u64,
+    taken: u64,
+    keep: Vec<Delivery>,
+    leftovers: Vec<(u64, String)>,
+    routes: BTreeSet<Route>,
+}
+
+impl Scan {
+    /// Begin a traversal of `queue` (which must exist): `conn` reads, `publish` carries the
+    /// copies.
+    pub async fn open(
+        conn: &Connection,
+        publish: &Connection,
+        redis: ConnectionManager,
+        amqp_url: &str,
+        queue: &str,
+    ) -> Result<Self, Error> {
+        let depth = source::queue_state(conn, queue)
+            .await?
+            .ok_or_else(|| Error::SourceMissing(queue.into()))?
+            .0;
+        let ledger = Ledger::open(redis.clone(), amqp_url, queue).await?;
+        Ok(Self {
+            ch: conn.create_channel().await?,
+            queue: queue.into(),
+            mover: Mover::open(publish, queue).await?,
+            ledger,
+            redis,
+            amqp_url: amqp_url.into(),
+            depth: depth.into(),
+            taken: 0,
+            keep: Vec::new(),
+            leftovers: Vec::new(),
+            routes: BTreeSet::new(),
+        })
+    }
+
+    /// How many messages the queue held when the traversal began.
+    pub fn depth(&self) -> u64 {
+        self.depth
+    }
+
+    /// The next message of the traversal, `None` at its end. Leftover copies of an interrupted
+    /// move are dropped on the way (see [`Ledger::is_leftover`]); the count says how many.
+    pub async fn next(&mut self) -> Result<Option<Delivery>, Error> {
+        while self.taken < self.depth {
+            let Some(m) = self
+                .ch
+                .basic_get(
+                    self.queue.as_str().into(),
+                    BasicGetOptions { no_ack: false },
+                )
+                .await?
+            else {
+                return Ok(None);
+            };
+            self.taken += 1;
+            let d = m.delivery;
+            if let Some(r) = watch::route_of(&d) {
+                self.routes.insert(r);
+            }
+            if self.ledger.doubts() {
+                let digest = keep::digest(&d.properties, &d.data);
+                if self.ledger.is_leftover(&digest) {
+                    tracing::info!(queue = %self.queue, "dropping a leftover copy of an interrupted move");
+                    self.leftovers.push((d.delivery_tag, digest));
+                    continue;
+                }
+            }
+            return Ok(Some(d));
+        }
+        Ok(None)
+    }
+
+    /// Leave `d` in the queue (moved to its tail).
+    pub async fn keep(&mut self, d: Delivery) -> Result<(), Error> {
+        self.keep.push(d);
+        if self.keep.len() >= MOVE_BATCH {
+            self.flush().await?;
+        }
+        Ok(())
+    }
+
+    /// Ack a message the caller took, once its outcome is durable.
+    pub async fn ack(&self, tag: u64) -> Result<(), Error> {
+        self.ch.basic_ack(tag, BasicAckOptions::default()).await?;
+        Ok(())
+    }
+
+    /// How many leftover copies were dropped so far.
+    pub fn leftovers(&self) -> usize {
+        self.leftovers.len()
+    }
+
+    /// The dead-letter routes seen so far.
+    pub fn routes(&self) -> &BTreeSet<Route> {
+        &self.routes
+    }
+
+    /// Move what is waiting to be kept now (the traversal otherwise moves in batches).
+    pub async fn flush(&mut self) -> Result<(), Error> {
+        let keep = std::mem::take(&mut self.keep);
+        let leftovers = std::mem::take(&mut self.leftovers);
+        if keep.is_empty() && leftovers.is_empty() {
+            return Ok(());
+        }
+        let digests: Vec<String> = keep
+            .iter()
+            .map(|d| keep::digest(&d.properties, &d.data))
+            .collect();
+        self.ledger.intend(&digests).await?;
+        let msgs: Vec<_> = keep
+            .iter()
+            .map(|d| (&d.properties, d.data.as_slice()))
+            .collect();
+        let moved = self.mover.copy(&msgs).await?;
+        let mut done = Vec::new();
+        for ((d, digest), m) in keep.iter().zip(digests).zip(moved) {
+            match m {
+                Moved::Copied => {
+                    self.ch
+                        .basic_ack(d.delivery_tag, BasicAckOptions::default())
+                        .await?;
+                    done.push(digest);
+                }
+                // No copy: the original goes back when the channel closes.
+                Moved::Refused => done.push(digest),
+                // A copy may exist: the ledger keeps counting it.
+                Moved::Unknown => {}
+            }
+        }
+        for (tag, digest) in leftovers {
+            self.ch.basic_ack(tag, BasicAckOptions::default()).await?;
+            done.push(digest);
+        }
+        // The counts come back only once the broker has processed the acks.
+        self.ch
+            .basic_qos(1, BasicQosOptions { global: false })
+            .await?;
+        self.ledger.take_back(&done).await
+    }
+
+    /// End the traversal: move what is still to be kept, settle the ledger when every message
+    /// was met (`complete`), remember the dead-letter routes seen, close the channel.
+    pub async fn finish(mut self, complete: bool) -> Result<(), Error> {
+        self.flush().await?;
+        if complete && self.taken >= self.depth {
+            self.ledger.resolved().await?;
+        }
+        watch::learn(&mut self.redis, &self.amqp_url, &self.queue, &self.routes).await?;
+        let _ = self.ch.close(200, "traversal done".into()).await;
+        Ok(())
+    }
+}
