@@ -203,3 +203,49 @@ async fn a_user_id_of_another_producer_is_kept_in_a_header_and_the_replay_goes_o
     }
     w.cleanup().await;
 }
+
+#[tokio::test]
+async fn a_plan_over_another_producers_user_id_keeps_every_message() {
+    let w = World::new("userid-plan").await;
+    // A message is left in place by moving a copy to the DLQ's tail; RabbitMQ refuses a copy
+    // carrying someone else's `user-id`, so the copy keeps it in a header instead.
+    let user = format!("{}-producer", w.tag);
+    let password = uuid::Uuid::new_v4().simple().to_string();
+    must("rabbitmqctl", &["add_user", &user, &password]);
+    must(
+        "rabbitmqctl",
+        &["set_permissions", "-p", "/", &user, ".*", ".*", ".*"],
+    );
+    let url = format!("amqp://{user}:{password}@127.0.0.1:5672/%2f");
+    let producer = dlq_replay::engine::connect_amqp(&url, "producer")
+        .await
+        .unwrap();
+    let ch = producer.create_channel().await.unwrap();
+    let mut jobs: Vec<_> = (0..3)
+        .map(|i| {
+            let (p, b) = job(&format!("u{i}"), json!({}));
+            (p.with_user_id(user.as_str().into()), b)
+        })
+        .collect();
+    jobs.push(job("own", json!({})));
+    dlq_replay::fixture::dead_letter(&ch, &w.topo, jobs)
+        .await
+        .unwrap();
+    let _ = producer.close(200, "bye".into()).await;
+    let report = dlq_replay::engine::plan::plan(&w.replay(&w.manifest("")))
+        .await
+        .expect("plan");
+    must("rabbitmqctl", &["delete_user", &user]);
+    assert_eq!(report.counts.replayed, 4, "{report:?}");
+    let after = w.take(&w.topo.dlq).await;
+    assert_eq!(ids(&after), vec!["u0", "u1", "u2", "own"]);
+    for m in &after[..3] {
+        assert_eq!(m.props.user_id(), &None, "{}", m.id);
+        assert_eq!(
+            header(m, "x-original-user-id").as_deref(),
+            Some(user.as_str())
+        );
+        assert!(m.headers.contains_key("x-death"), "{}", m.id);
+    }
+    w.cleanup().await;
+}

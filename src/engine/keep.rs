@@ -15,7 +15,9 @@
 //! starts with a fresh delivery count, nothing depends on prefetch or `consumer_timeout`, and
 //! after a full pass the kept messages stand in their old order. The one field not copied is
 //! `x-delivery-count`: the broker writes it on each redelivery from a quorum queue; the copy
-//! has not been redelivered.
+//! has not been redelivered. And a `user-id` that is not the replay's own user cannot be
+//! published again (the broker refuses it): it moves to the `x-original-user-id` header, as on
+//! replayed messages.
 //!
 //! The crash window (copy confirmed, original not yet acked) would leave two copies that a later
 //! replay could both publish. The [`Ledger`] closes it: before the copies are published, each
@@ -207,6 +209,7 @@ impl Ledger {
 /// Publishes the copies of kept messages to the tail of one queue, confirmed.
 pub struct Mover {
     channel: Channel,
+    user: String,
     queue: String,
 }
 
@@ -225,13 +228,14 @@ pub enum Moved {
 impl Mover {
     /// A confirming channel of its own on `conn`, so that a replay publish that closes its
     /// channel (a deleted exchange) does not take the copies with it.
-    pub async fn open(conn: &Connection, queue: &str) -> Result<Self, Error> {
+    pub async fn open(conn: &Connection, user: &str, queue: &str) -> Result<Self, Error> {
         let channel = conn.create_channel().await?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await?;
         Ok(Self {
             channel,
+            user: user.into(),
             queue: queue.into(),
         })
     }
@@ -264,7 +268,7 @@ impl Mover {
                         ..Default::default()
                     },
                     body,
-                    copy_properties(props),
+                    publish::as_user(copy_properties(props), &self.user),
                 )
                 .await;
             confirms.push(sent);

@@ -359,7 +359,7 @@ async fn replay_pass(
     let window = (batch * 2).min(u16::MAX as usize) as u16;
     let queue = &replay.spec.source.queue;
     let src = Source::open(src_conn, queue, window, depth.into()).await?;
-    let mover = keep::Mover::open(publisher.connection(), queue).await?;
+    let mover = keep::Mover::open(publisher.connection(), publisher.user(), queue).await?;
     let ledger = keep::Ledger::open(store.redis(), &replay.amqp_url, queue).await?;
     let mut drain = Drain::new(
         replay,

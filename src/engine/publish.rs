@@ -67,6 +67,18 @@ fn long(s: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(s))
 }
 
+/// The properties as the connection's `user` may publish them: a foreign `user-id` moves to the
+/// `x-original-user-id` header (see [`assertable`]); anything else is unchanged.
+pub fn as_user(props: BasicProperties, user: &str) -> BasicProperties {
+    match props.user_id() {
+        Some(u) if u.as_str() != user => {
+            let mut headers = props.headers().clone().unwrap_or_default();
+            assertable(props, &mut headers, user).with_headers(headers)
+        }
+        _ => props,
+    }
+}
+
 /// RabbitMQ refuses (and closes the channel on) a `user-id` that differs from the connection's
 /// user. Such a value moves to a header instead, so the replay goes on and nothing is lost.
 fn assertable(props: BasicProperties, headers: &mut FieldTable, user: &str) -> BasicProperties {

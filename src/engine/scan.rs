@@ -54,7 +54,7 @@ impl Scan {
         Ok(Self {
             ch: conn.create_channel().await?,
             queue: queue.into(),
-            mover: Mover::open(publish, queue).await?,
+            mover: Mover::open(publish, &crate::engine::amqp_user(amqp_url), queue).await?,
             ledger,
             redis,
             amqp_url: amqp_url.into(),
