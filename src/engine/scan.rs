@@ -72,7 +72,7 @@ impl Scan {
     }
 
     /// The next message of the traversal, `None` at its end. Leftover copies of an interrupted
-    /// move are dropped on the way (see [`Ledger::is_leftover`]); the count says how many.
+    /// move are dropped on the way (see [`Ledger::is_leftover`]).
     pub async fn next(&mut self) -> Result<Option<Delivery>, Error> {
         while self.taken < self.depth {
             let Some(m) = self
@@ -116,11 +116,6 @@ impl Scan {
     pub async fn ack(&self, tag: u64) -> Result<(), Error> {
         self.ch.basic_ack(tag, BasicAckOptions::default()).await?;
         Ok(())
-    }
-
-    /// How many leftover copies were dropped so far.
-    pub fn leftovers(&self) -> usize {
-        self.leftovers.len()
     }
 
     /// The dead-letter routes seen so far.

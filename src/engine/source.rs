@@ -110,11 +110,6 @@ impl Source {
         Ok(src)
     }
 
-    /// The channel the deliveries came on (their acks go here).
-    pub fn channel(&self) -> &Channel {
-        &self.channel
-    }
-
     /// Wait up to `idle` for one delivery, then take whatever else is ready, up to `max` and
     /// never past the bound. Returns an empty batch when nothing came within `idle`.
     pub async fn next_batch(&mut self, max: usize, idle: Duration) -> Result<Vec<Delivery>, Error> {
