@@ -43,6 +43,9 @@ pub fn route_of(d: &Delivery) -> Option<Route> {
     })
 }
 
+/// How long the routes of a queue are remembered after its last traversal.
+const ROUTES_TTL_SECONDS: u64 = 30 * 24 * 3600;
+
 fn routes_key(amqp_url: &str, queue: &str) -> String {
     crate::engine::keep::ledger_key(amqp_url, queue).replacen("dlq:moves:", "dlq:routes:", 1)
 }
@@ -61,9 +64,17 @@ pub async fn learn(
         .iter()
         .filter_map(|r| serde_json::to_string(r).ok())
         .collect();
-    redis::cmd("SADD")
-        .arg(routes_key(amqp_url, queue))
+    let key = routes_key(amqp_url, queue);
+    // Refreshed by every traversal; a queue nobody replays for a month is forgotten.
+    redis::pipe()
+        .cmd("SADD")
+        .arg(&key)
         .arg(members)
+        .ignore()
+        .cmd("EXPIRE")
+        .arg(&key)
+        .arg(ROUTES_TTL_SECONDS)
+        .ignore()
         .query_async::<()>(con)
         .await?;
     Ok(())
