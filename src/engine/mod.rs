@@ -274,6 +274,8 @@ async fn run_pass(
     // connection would be.
     store.retry_for(opts.reconnect);
     store.report_waits_to(progress.clone());
+    // A stop (suspend, delete, shutdown) ends the waits between Redis retries (see Store::stop_on).
+    store.stop_on(cancel.clone());
     if let Some(done) = &state.final_status {
         let status: DlqReplayStatus = serde_json::from_str(done)
             .map_err(|e| Error::Redis(format!("stored final status is unreadable: {e}")))?;
@@ -373,6 +375,7 @@ async fn replay_pass(
     );
     drain.keeper = Some((mover, ledger));
     drain.held_back = held;
+    drain.cancel = cancel.clone();
     if replay.spec.canary.enabled {
         let mut redis = drain.store.redis();
         drain.routes = watch::known(&mut redis, &replay.amqp_url, queue).await?;
@@ -537,7 +540,20 @@ async fn canary_phase(
     {
         status.canary = watch.canaries.clone();
         progress.send_replace(status.clone());
-        tokio::time::sleep(opts.look).await;
+        // The wait lasts up to canary.waitSeconds (30 min at most): a suspend, delete or
+        // shutdown must not wait it out. The canaries are out (published, acked, audited) but
+        // their verdict is not stored, so a resumed run starts the canary phase again.
+        tokio::select! {
+            _ = tokio::time::sleep(opts.look) => {}
+            _ = cancel.cancelled() => {
+                status.phase = Some(Phase::Suspended);
+                status.message = Some(format!(
+                    "stopped during the canary wait ({} canaries out: published, acked and audited; their verdict is not recorded); running it again starts the canary phase again, one new canary per signature",
+                    watch.canaries.len()
+                ));
+                return Ok(CanaryEnd::Stop);
+            }
+        }
     }
     status.canary = watch.canaries.clone();
     let json = serde_json::to_string(&status.canary).map_err(|e| Error::Redis(e.to_string()))?;
@@ -642,6 +658,10 @@ enum Act {
     /// maybe not. Nothing is recorded and nothing acked; the next pass finds its claim (Claim
     /// mode: quarantined `OutcomeUnknown`) or publishes it again (Check mode).
     Unknown(String),
+    /// Not published because the replay was stopped while the batch waited for the rate
+    /// limiter: nothing recorded, its claim released, left unacked (back in the queue when the
+    /// pass closes its channel), decided by the next run.
+    Unsent,
 }
 
 struct Item {
@@ -690,6 +710,8 @@ struct Drain<'a> {
     routes: std::collections::BTreeSet<watch::Route>,
     /// The return watch, when a route is known.
     returns: Option<watch::Returns>,
+    /// The replay's stop, for the waits inside a batch (the rate limiter).
+    cancel: CancellationToken,
 }
 
 impl<'a> Drain<'a> {
@@ -724,6 +746,7 @@ impl<'a> Drain<'a> {
             keeper: None,
             routes: Default::default(),
             returns: None,
+            cancel: CancellationToken::new(),
         }
     }
 
@@ -1088,7 +1111,17 @@ impl<'a> Drain<'a> {
                         continue;
                     }
                     if let Some(l) = &self.limiter {
-                        l.until_ready().await;
+                        // At a low rate a batch waits seconds for its tokens: a stop ends the
+                        // wait, and what the batch has not sent yet stays for the next run.
+                        let stopped = tokio::select! {
+                            biased;
+                            _ = self.cancel.cancelled() => true,
+                            _ = l.until_ready() => false,
+                        };
+                        if stopped {
+                            item.act = Act::Unsent;
+                            continue;
+                        }
                     }
                     let p = publish::replay_properties(
                         props,
@@ -1150,8 +1183,14 @@ impl<'a> Drain<'a> {
         // duplicate after all: its work never went out (or may not have). It stays in the queue.
         let failed: std::collections::HashSet<&str> = items
             .iter()
-            .filter(|it| matches!(it.act, Act::Failed(_) | Act::Unknown(_)))
+            .filter(|it| matches!(it.act, Act::Failed(_) | Act::Unknown(_) | Act::Unsent))
             .filter_map(|it| it.key.as_deref())
+            .collect();
+        // (Its twin of a message left unsent stays unsent too: the next run decides both.)
+        let unsent: std::collections::HashSet<String> = items
+            .iter()
+            .filter(|it| matches!(it.act, Act::Unsent))
+            .filter_map(|it| it.key.clone())
             .collect();
         let orphans: Vec<usize> = (0..items.len())
             .filter(|&i| {
@@ -1165,8 +1204,11 @@ impl<'a> Drain<'a> {
             })
             .collect();
         for i in orphans {
-            items[i].act =
-                Act::Failed("same key as a message of this batch whose publish failed".into());
+            items[i].act = if items[i].key.as_ref().is_some_and(|k| unsent.contains(k)) {
+                Act::Unsent
+            } else {
+                Act::Failed("same key as a message of this batch whose publish failed".into())
+            };
         }
         Ok(())
     }
@@ -1264,6 +1306,14 @@ impl<'a> Drain<'a> {
                 Act::Unknown(why) => {
                     unknown += 1;
                     unknown_why.clone_from(why);
+                    continue;
+                }
+                Act::Unsent => {
+                    if claiming {
+                        if let Some(k) = &item.key {
+                            release.push((k.clone(), self.claim_value.clone()));
+                        }
+                    }
                     continue;
                 }
                 // Publish resolves every Replay and Quarantine.

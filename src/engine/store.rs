@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use redis::aio::ConnectionManager;
 use redis::Value;
+use tokio_util::sync::CancellationToken;
 
 use crate::api::Counts;
 use crate::Error;
@@ -83,6 +84,11 @@ fn commit_answer((len, again, applied): (u64, u64, u64)) -> (u64, u64) {
 
 const RETRY_MAX_DELAY: Duration = Duration::from_secs(4);
 
+/// After the replay was stopped, a lost call is still asked again for this long (a Redis blip
+/// is short, and a commit's publishes are confirmed), and then given up, leaving the batch as a
+/// crash would: the stop must take effect within seconds, not after the whole budget.
+const RETRY_AFTER_STOP: Duration = Duration::from_secs(5);
+
 /// The retries of one Redis call whose answer was lost: 0.25 s doubling to 4 s with jitter (a
 /// Redis that paused or restarted is back soon, and the batch's messages are held meanwhile),
 /// for as long as the budget allows.
@@ -90,22 +96,34 @@ struct Retries {
     started: tokio::time::Instant,
     budget: Duration,
     delays: backon::ExponentialBackoff,
+    /// The replay's stop, and when this call first saw it.
+    stop: Option<CancellationToken>,
+    stopped_at: Option<tokio::time::Instant>,
 }
 
 impl Retries {
-    fn new(budget: Duration) -> Self {
+    fn new(budget: Duration, stop: Option<CancellationToken>) -> Self {
         Self {
             started: tokio::time::Instant::now(),
             budget,
             delays: crate::engine::backoff(RETRY_MAX_DELAY),
+            stop,
+            stopped_at: None,
         }
     }
 
     /// How long to wait before asking again after `e`; `None`: give up (not a lost answer, or
-    /// the budget is spent).
+    /// the budget is spent, or the replay was stopped more than [`RETRY_AFTER_STOP`] ago).
     fn next(&mut self, e: &Error) -> Option<Duration> {
         let delay = self.delays.next().unwrap_or(RETRY_MAX_DELAY);
-        (e.is_transient() && self.started.elapsed() + delay <= self.budget).then_some(delay)
+        let mut ok = e.is_transient() && self.started.elapsed() + delay <= self.budget;
+        if self.stop.as_ref().is_some_and(|s| s.is_cancelled()) {
+            let since = *self
+                .stopped_at
+                .get_or_insert_with(tokio::time::Instant::now);
+            ok &= since.elapsed() + delay <= RETRY_AFTER_STOP;
+        }
+        ok.then_some(delay)
     }
 }
 
@@ -226,6 +244,8 @@ pub struct Store {
     retry_for: Duration,
     /// Where a wait for Redis is said (the replay's status message), if anywhere.
     waits: Option<crate::engine::Progress>,
+    /// The replay's stop: it ends a wait between retries (see [`Store::stop_on`]).
+    stop: Option<CancellationToken>,
 }
 
 /// Connect to Redis; the error never repeats the URL.
@@ -299,6 +319,7 @@ impl Store {
                 keys,
                 retry_for: Duration::ZERO,
                 waits: None,
+                stop: None,
             },
             state,
         ))
@@ -336,7 +357,7 @@ impl Store {
         keys: &[Option<&str>],
         claim: Option<(&str, u64)>,
     ) -> Result<Vec<Lookup>, Error> {
-        let mut retries = Retries::new(self.retry_for);
+        let mut retries = Retries::new(self.retry_for, self.stop.clone());
         let mut lost = false;
         loop {
             let attempt = async {
@@ -444,7 +465,7 @@ impl Store {
         delta: &Counts,
     ) -> Result<(u64, u64), Error> {
         let invocation = self.commit_invocation(rows, settled, release, delta);
-        let mut retries = Retries::new(self.retry_for);
+        let mut retries = Retries::new(self.retry_for, self.stop.clone());
         loop {
             let e = match invocation.invoke_async(&mut self.con).await {
                 Ok(answer) => return Ok(commit_answer(answer)),
@@ -460,6 +481,12 @@ impl Store {
     /// How long a lookup or commit whose answer was lost is tried again (zero: not at all).
     pub fn retry_for(&mut self, budget: Duration) {
         self.retry_for = budget;
+    }
+
+    /// Let `stop` (the replay's cancellation) end a wait between retries: the call is then asked
+    /// again only for a few seconds more ([`RETRY_AFTER_STOP`]) before it is given up.
+    pub fn stop_on(&mut self, stop: CancellationToken) {
+        self.stop = Some(stop);
     }
 
     /// Say in `progress`'s status message when a batch waits for Redis (the next report of
@@ -480,7 +507,17 @@ impl Store {
                 ))
             });
         }
-        tokio::time::sleep(delay).await;
+        match &self.stop {
+            // The first wait after a stop is cut short; those of the few seconds after it are not
+            // (they are what spaces the last asks).
+            Some(stop) if !stop.is_cancelled() => {
+                tokio::select! {
+                    _ = tokio::time::sleep(delay) => {}
+                    _ = stop.cancelled() => {}
+                }
+            }
+            _ => tokio::time::sleep(delay).await,
+        }
     }
 
     fn commit_invocation(
