@@ -67,6 +67,30 @@ pub struct OperatorArgs {
     /// backoff) before it ends Failed.
     #[arg(long, default_value_t = 300)]
     pub reconnect_timeout: u64,
+    /// Log lines as text or as JSON objects (one per line, for a log collector).
+    #[arg(long, value_enum, default_value_t, env = "LOG_FORMAT")]
+    pub log_format: LogFormat,
+}
+
+/// How the operator logs.
+#[derive(ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Human-readable lines (coloured only on a terminal).
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+impl Cli {
+    /// The default log filter (when `RUST_LOG` is unset) and whether to log JSON: `warn` for
+    /// the commands a person runs, `info` for the operator.
+    pub fn logging(&self) -> (&'static str, bool) {
+        match &self.command {
+            Command::Operator(a) => ("info,lapin::channel=off", a.log_format == LogFormat::Json),
+            _ => ("warn,lapin::channel=off", false),
+        }
+    }
 }
 
 /// Where the broker and Redis are, when no cluster resolves the Secret references.

@@ -5,6 +5,8 @@ use clap::Parser;
 #[tokio::main]
 async fn main() -> ExitCode {
     dlq_replay::tls::install_provider();
-    dlq_replay::telemetry::init("warn,lapin::channel=off", false);
-    dlq_replay::cli::main(dlq_replay::cli::Cli::parse()).await
+    let cli = dlq_replay::cli::Cli::parse();
+    let (filter, json) = cli.logging();
+    dlq_replay::telemetry::init(filter, json);
+    dlq_replay::cli::main(cli).await
 }

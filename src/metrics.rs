@@ -1,10 +1,12 @@
-//! `/metrics` (Prometheus), `/healthz` and `/readyz` for the operator.
+//! `/metrics` (OpenMetrics text), `/healthz` and `/readyz` for the operator.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{header, StatusCode};
 use axum::routing::get;
 use axum::Router;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -52,6 +54,22 @@ pub struct Metrics {
     pub leader: Gauge,
     registry: Registry,
     ready: AtomicBool,
+    parts: Mutex<BTreeMap<String, Part>>,
+}
+
+/// The content type of `/metrics`: what `prometheus_client`'s text encoder writes (OpenMetrics
+/// 1.0, ending in `# EOF`), so that Prometheus parses it as such.
+pub const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// One long-running part of the operator (the controller, the lease loop), for `/healthz`.
+#[derive(Clone, Debug)]
+struct Part {
+    /// When it last said it was alive.
+    beat: Instant,
+    /// Dead when it has not said so for this long (`None`: it only ever says it died).
+    stale_after: Option<Duration>,
+    /// Why it ended, when it ended without being asked to.
+    died: Option<String>,
 }
 
 impl Metrics {
@@ -95,6 +113,7 @@ impl Metrics {
             retries,
             registry,
             ready: AtomicBool::new(false),
+            parts: Mutex::default(),
         })
     }
 
@@ -157,6 +176,58 @@ impl Metrics {
         self.ready.store(ready, Ordering::Relaxed);
     }
 
+    /// `part` is alive now; it counts as dead once it has not said so for `stale_after`
+    /// (`None`: only [`Metrics::died`] makes it dead).
+    pub fn alive(&self, part: &str, stale_after: Option<Duration>) {
+        let mut parts = self.parts.lock().unwrap_or_else(|p| p.into_inner());
+        parts.insert(
+            part.into(),
+            Part {
+                beat: Instant::now(),
+                stale_after,
+                died: None,
+            },
+        );
+    }
+
+    /// `part` ended without being asked to: `/healthz` fails from now on.
+    pub fn died(&self, part: &str, why: &str) {
+        let mut parts = self.parts.lock().unwrap_or_else(|p| p.into_inner());
+        let entry = parts.entry(part.into()).or_insert(Part {
+            beat: Instant::now(),
+            stale_after: None,
+            died: None,
+        });
+        entry.died = Some(why.into());
+    }
+
+    /// `part` stopped because it was asked to (a shutdown): no longer watched.
+    pub fn stopped(&self, part: &str) {
+        let mut parts = self.parts.lock().unwrap_or_else(|p| p.into_inner());
+        parts.remove(part);
+    }
+
+    /// `Ok` while every watched part is alive, else what died or stalled.
+    pub fn health(&self) -> Result<(), String> {
+        let parts = self.parts.lock().unwrap_or_else(|p| p.into_inner());
+        let bad: Vec<String> = parts
+            .iter()
+            .filter_map(|(name, p)| match (&p.died, p.stale_after) {
+                (Some(why), _) => Some(format!("{name} died: {why}")),
+                (None, Some(max)) if p.beat.elapsed() > max => Some(format!(
+                    "{name} stalled: not alive for {}s",
+                    p.beat.elapsed().as_secs()
+                )),
+                _ => None,
+            })
+            .collect();
+        if bad.is_empty() {
+            Ok(())
+        } else {
+            Err(bad.join("; "))
+        }
+    }
+
     fn encode(&self) -> String {
         let mut out = String::new();
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
@@ -169,9 +240,19 @@ pub fn router(metrics: Arc<Metrics>) -> Router {
     Router::new()
         .route(
             "/metrics",
-            get(|State(m): State<Arc<Metrics>>| async move { m.encode() }),
+            get(|State(m): State<Arc<Metrics>>| async move {
+                ([(header::CONTENT_TYPE, OPENMETRICS)], m.encode())
+            }),
         )
-        .route("/healthz", get(|| async { "ok" }))
+        .route(
+            "/healthz",
+            get(|State(m): State<Arc<Metrics>>| async move {
+                match m.health() {
+                    Ok(()) => (StatusCode::OK, "ok".to_string()),
+                    Err(why) => (StatusCode::SERVICE_UNAVAILABLE, why),
+                }
+            }),
+        )
         .route(
             "/readyz",
             get(|State(m): State<Arc<Metrics>>| async move {
@@ -188,5 +269,47 @@ pub fn router(metrics: Arc<Metrics>) -> Router {
 /// Serve the routes on `addr` until the process ends.
 pub async fn serve(addr: std::net::SocketAddr, metrics: Arc<Metrics>) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
+    serve_on(listener, metrics).await
+}
+
+/// Serve the routes on a bound listener until the process ends.
+pub async fn serve_on(
+    listener: tokio::net::TcpListener,
+    metrics: Arc<Metrics>,
+) -> std::io::Result<()> {
     axum::serve(listener, router(metrics)).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn health_fails_when_a_part_died_or_stalled_and_not_after_a_clean_stop() {
+        let m = Metrics::new();
+        assert!(m.health().is_ok());
+        m.alive("controller", None);
+        m.alive("lease", Some(Duration::from_secs(60)));
+        assert!(m.health().is_ok());
+        m.died("controller", "it panicked");
+        assert_eq!(
+            m.health().unwrap_err(),
+            "controller died: it panicked".to_string()
+        );
+        m.stopped("controller");
+        assert!(m.health().is_ok());
+        m.alive("lease", Some(Duration::ZERO));
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(m.health().unwrap_err().starts_with("lease stalled"));
+    }
+
+    #[test]
+    fn the_text_is_openmetrics() {
+        let m = Metrics::new();
+        m.leader.set(1);
+        let text = m.encode();
+        assert!(text.contains("dlq_replay_leader 1"), "{text}");
+        assert!(text.trim_end().ends_with("# EOF"), "{text}");
+        assert!(OPENMETRICS.starts_with("application/openmetrics-text; version=1.0.0"));
+    }
 }
