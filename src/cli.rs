@@ -224,6 +224,7 @@ async fn operator(args: OperatorArgs) -> Result<ExitCode, Error> {
             reconnect: Duration::from_secs(args.reconnect_timeout),
             ..Options::default()
         },
+        ..crate::controller::Settings::default()
     };
     let metrics = crate::metrics::Metrics::global();
     let http = tokio::spawn(crate::metrics::serve(args.http_addr, metrics.clone()));

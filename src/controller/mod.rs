@@ -20,7 +20,6 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::finalizer::{finalizer, Event as Finalizer};
 use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt};
-use serde_json::json;
 use tokio::sync::{watch, Mutex};
 use tokio_util::sync::CancellationToken;
 
@@ -54,6 +53,9 @@ pub struct Settings {
     pub engine: engine::Options,
     /// This instance's name (pod name), for events.
     pub instance: String,
+    /// How long a status write that failed for a passing reason (API server unreachable, 5xx,
+    /// 429, conflict) is tried again, with backoff, before it is given up.
+    pub status_retry: Duration,
 }
 
 impl Default for Settings {
@@ -64,9 +66,16 @@ impl Default for Settings {
             status_interval: Duration::from_secs(2),
             engine: engine::Options::default(),
             instance: "dlq-replay".into(),
+            status_retry: Duration::from_secs(10),
         }
     }
 }
+
+/// The field manager of everything the operator writes with server-side apply.
+pub const MANAGER: &str = "dlq-replay";
+
+/// The name of the leader-election Lease.
+pub const LEASE: &str = "dlq-replay-leader";
 
 struct Task {
     source: String,
@@ -226,8 +235,11 @@ async fn apply(obj: Arc<DlqReplay>, ctx: Arc<Context>) -> Result<Action, Error> 
         return Ok(Action::await_change());
     }
     if obj.spec.suspend {
-        let msg = "suspended by spec.suspend; set it to false to resume";
-        set_pending(&ctx, &obj, Phase::Suspended, msg).await?;
+        let mut msg = "suspended by spec.suspend; set it to false to resume".to_string();
+        if let Some(note) = obj.status.as_ref().and_then(status::canary_wait_note) {
+            msg = format!("{msg}; {note}");
+        }
+        set_pending(&ctx, &obj, Phase::Suspended, &msg).await?;
         return Ok(Action::await_change());
     }
     let replay = match resolve(&ctx.client, &obj).await {
@@ -306,20 +318,58 @@ async fn set_pending(
     }
     status.phase = Some(phase);
     status.message = Some(message.to_string());
-    write_status(ctx, obj, &status).await
+    // One attempt: a failure fails the reconcile, whose error policy tries again in 5 s (a
+    // reconcile must not hold a graceful shutdown for a status retry budget).
+    let once = CancellationToken::new();
+    once.cancel();
+    write_status(ctx, obj, &status, &once).await?;
+    Ok(())
 }
 
-async fn write_status(ctx: &Context, obj: &DlqReplay, next: &DlqReplayStatus) -> Result<(), Error> {
+/// Write `next` as the replay's status: a server-side apply of the whole status under
+/// [`MANAGER`] (forced: the status is the operator's alone), with `observedGeneration` and
+/// standard conditions that carry their own. A write that fails for a reason that may pass (the
+/// API server unreachable or overloaded, a conflict) is tried again with backoff for up to
+/// `settings.status_retry`, unless `stop` is cancelled first; then the error is returned: the
+/// status was not written, and the caller must not assume it was. Metrics and events follow a
+/// write that succeeded. Returns the status as written.
+async fn write_status(
+    ctx: &Context,
+    obj: &DlqReplay,
+    next: &DlqReplayStatus,
+    stop: &CancellationToken,
+) -> Result<DlqReplayStatus, Error> {
     let ns = obj.namespace().unwrap_or_else(|| "default".into());
     let api: Api<DlqReplay> = Api::namespaced(ctx.client.clone(), &ns);
+    let generation = obj.meta().generation;
     let previous = obj
         .status
         .as_ref()
-        .map(|s| s.conditions.clone())
+        .map(|s| status::from_api(&s.conditions))
         .unwrap_or_default();
     let mut status = next.clone();
-    status.observed_generation = obj.meta().generation;
-    status.conditions = status::conditions(&status, &previous, &engine::now());
+    status.observed_generation = generation;
+    let conditions = status::conditions(&status, &previous, generation, &status::now());
+    status.conditions = status::to_api(&conditions);
+    let body = status::apply_body(&status, &conditions);
+    let params = PatchParams::apply(MANAGER).force();
+    let started = Instant::now();
+    let mut delays = engine::backoff(Duration::from_secs(4));
+    while let Err(e) = api
+        .patch_status(&obj.name_any(), &params, &Patch::Apply(&body))
+        .await
+    {
+        let delay = delays.next().unwrap_or(Duration::from_secs(4));
+        let budget_left = started.elapsed() + delay <= ctx.settings.status_retry;
+        if !status::worth_retrying(&e) || !budget_left || stop.is_cancelled() {
+            return Err(e.into());
+        }
+        tracing::warn!(error = %e, replay = %key_of(obj), retry_in_ms = delay.as_millis() as u64, "writing status; trying again");
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = stop.cancelled() => return Err(e.into()),
+        }
+    }
     let old_phase = obj.status.as_ref().and_then(|s| s.phase);
     let metrics = crate::metrics::Metrics::global();
     metrics.count(
@@ -327,12 +377,6 @@ async fn write_status(ctx: &Context, obj: &DlqReplay, next: &DlqReplayStatus) ->
         &status.counts,
     );
     metrics.phase_change(old_phase, status.phase);
-    api.patch_status(
-        &obj.name_any(),
-        &PatchParams::default(),
-        &Patch::Merge(json!({ "status": status })),
-    )
-    .await?;
     if old_phase != status.phase {
         publish_event(ctx, obj, &status).await;
     }
@@ -349,7 +393,7 @@ async fn write_status(ctx: &Context, obj: &DlqReplay, next: &DlqReplayStatus) ->
         );
         emit(ctx, obj, warning, &format!("Canary{result:?}"), Some(note)).await;
     }
-    Ok(())
+    Ok(status)
 }
 
 async fn emit(ctx: &Context, obj: &DlqReplay, warning: bool, reason: &str, note: Option<String>) {
@@ -386,8 +430,11 @@ async fn publish_event(ctx: &Context, obj: &DlqReplay, status: &DlqReplayStatus)
 /// the replay waits for an operator to lead again and resume it; `Suspended` would read as the
 /// user's `spec.suspend`.
 fn operator_stopped(status: DlqReplayStatus) -> DlqReplayStatus {
+    let canary = status::canary_wait_note(&status)
+        .map(|n| format!("; {n}"))
+        .unwrap_or_default();
     let message = format!(
-        "OperatorStopped: the operator stopped (shutdown or lost lease) after the in-flight messages settled; the next operator to lead resumes it; so far {}",
+        "OperatorStopped: the operator stopped (shutdown or lost lease) after the in-flight messages settled; the next operator to lead resumes it{canary}; so far {}",
         engine::summary(&status.counts)
     );
     DlqReplayStatus {
@@ -411,6 +458,9 @@ async fn drive(
     let writer_ctx = ctx.clone();
     let writer_obj = obj.clone();
     let interval = ctx.settings.status_interval;
+    // Ends the retries of a progress write once the engine is done: the final write follows.
+    let writer_stop = cancel.child_token();
+    let writer_cancel = writer_stop.clone();
     let writer = tokio::spawn(async move {
         let mut current = (*writer_obj).clone();
         let mut last_at = Instant::now();
@@ -423,24 +473,34 @@ async fn drive(
             let next = rx.borrow_and_update().clone();
             let elapsed = last_at.elapsed().as_millis();
             if status::should_write(last.as_ref(), &next, elapsed, interval.as_millis()) {
-                if let Err(e) = write_status(&writer_ctx, &current, &next).await {
-                    tracing::warn!(error = %e, replay = %key_of(&current), "writing status");
+                match write_status(&writer_ctx, &current, &next, &writer_cancel).await {
+                    Ok(written) => {
+                        current.status = Some(written);
+                        last = Some(next);
+                        last_at = Instant::now();
+                    }
+                    // Not written, so not assumed: `last` stays, and the next turn (at most
+                    // `interval` later) writes the newest status, a phase change included.
+                    Err(e) => {
+                        tracing::warn!(error = %e, replay = %key_of(&current), "writing status")
+                    }
                 }
-                current.status = Some(next.clone());
-                last = Some(next);
-                last_at = Instant::now();
             }
         }
         current
     });
     let result = engine::run(&replay, &ctx.settings.engine, &tx, &cancel).await;
     drop(tx);
+    writer_stop.cancel();
     let current = writer.await.unwrap_or_else(|_| (*obj).clone());
+    // A stop that is not the user's suspend (shutdown, lost lease, deletion) leaves what did not
+    // end waiting for the next operator: Pending/OperatorStopped, whether the engine stopped
+    // draining (Suspended), waiting for its pre-flight (Pending) or waiting on its canaries.
+    let operator_stop = cancel.is_cancelled() && !by_user.load(Ordering::SeqCst);
     let final_status = match result {
-        Ok(s) if s.phase == Some(Phase::Suspended) && !by_user.load(Ordering::SeqCst) => {
-            operator_stopped(s)
-        }
+        Ok(s) if operator_stop && !s.phase.is_some_and(Phase::is_terminal) => operator_stopped(s),
         Ok(s) => s,
+        Err(_) if operator_stop => operator_stopped(current.status.clone().unwrap_or_default()),
         Err(e) => DlqReplayStatus {
             phase: Some(Phase::Pending),
             message: Some(format!("Unavailable: {e}; retrying")),
@@ -448,7 +508,9 @@ async fn drive(
         },
     };
     if current.status.as_ref() != Some(&final_status) {
-        if let Err(e) = write_status(&ctx, &current, &final_status).await {
+        // Not cancellable (the task is being stopped already), bounded by status_retry.
+        if let Err(e) = write_status(&ctx, &current, &final_status, &CancellationToken::new()).await
+        {
             tracing::warn!(error = %e, replay = %key, "writing the final status");
         }
     }

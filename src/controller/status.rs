@@ -1,11 +1,26 @@
-//! Client-free status logic: conditions from a phase, when to write, and phase-change events.
+//! Client-free status logic: conditions from a phase, the server-side apply body, when to write,
+//! which failed writes to try again, and phase-change events.
 
-use crate::api::{CanaryResult, CanaryStatus, Condition, DlqReplayStatus, Phase};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::Resource;
+
+use crate::api::{self, CanaryResult, CanaryStatus, DlqReplay, DlqReplayStatus, Phase};
+
+/// Now, as conditions say it.
+pub fn now() -> Time {
+    let micros = chrono::Utc::now().timestamp_micros();
+    Time(k8s_openapi::jiff::Timestamp::from_microsecond(micros).unwrap_or_default())
+}
 
 /// The standard conditions of a status: `Ready` (the replay reached Done), `Progressing` (it is
-/// moving), `Degraded` (it stopped short). `lastTransitionTime` is kept while a condition's
-/// status does not change.
-pub fn conditions(status: &DlqReplayStatus, previous: &[Condition], now: &str) -> Vec<Condition> {
+/// moving), `Degraded` (it stopped short), each with the `observedGeneration` it was computed
+/// for. `lastTransitionTime` is kept while a condition's status does not change.
+pub fn conditions(
+    status: &DlqReplayStatus,
+    previous: &[Condition],
+    generation: Option<i64>,
+    now: &Time,
+) -> Vec<Condition> {
     let phase = status.phase.unwrap_or(Phase::Pending);
     let message = status.message.clone().unwrap_or_default();
     let reason = reason_of(status);
@@ -28,16 +43,91 @@ pub fn conditions(status: &DlqReplayStatus, previous: &[Condition], now: &str) -
                 .iter()
                 .find(|c| c.type_ == *type_ && c.status == value)
                 .map(|c| c.last_transition_time.clone())
-                .unwrap_or_else(|| now.to_string());
+                .unwrap_or_else(|| now.clone());
             Condition {
                 type_: (*type_).into(),
                 status: value.into(),
                 reason: reason.clone(),
                 message: message.clone(),
                 last_transition_time: since,
+                observed_generation: generation,
             }
         })
         .collect()
+}
+
+/// The conditions as `crate::api` stores them (its own `Condition` type, which has no
+/// `observedGeneration`: what a read of the object gives back of them).
+pub fn from_api(stored: &[api::Condition]) -> Vec<Condition> {
+    stored
+        .iter()
+        .map(|c| Condition {
+            type_: c.type_.clone(),
+            status: c.status.clone(),
+            reason: c.reason.clone(),
+            message: c.message.clone(),
+            last_transition_time: serde_json::from_value(c.last_transition_time.clone().into())
+                .unwrap_or_else(|_| now()),
+            observed_generation: None,
+        })
+        .collect()
+}
+
+/// The conditions in `crate::api`'s type, for the status the operator keeps in memory.
+pub fn to_api(conditions: &[Condition]) -> Vec<api::Condition> {
+    conditions
+        .iter()
+        .map(|c| api::Condition {
+            type_: c.type_.clone(),
+            status: c.status.clone(),
+            reason: c.reason.clone(),
+            message: c.message.clone(),
+            last_transition_time: serde_json::to_value(&c.last_transition_time)
+                .ok()
+                .and_then(|v| v.as_str().map(String::from))
+                .unwrap_or_default(),
+        })
+        .collect()
+}
+
+/// The body of the server-side apply of a status: the whole status, its conditions as
+/// k8s-openapi's `Condition` (with `observedGeneration`).
+pub fn apply_body(status: &DlqReplayStatus, conditions: &[Condition]) -> serde_json::Value {
+    let mut value = serde_json::to_value(status).unwrap_or_default();
+    if let (Some(map), Ok(c)) = (value.as_object_mut(), serde_json::to_value(conditions)) {
+        map.insert("conditions".into(), c);
+    }
+    serde_json::json!({
+        "apiVersion": DlqReplay::api_version(&()),
+        "kind": DlqReplay::kind(&()),
+        "status": value,
+    })
+}
+
+/// Whether a failed write may succeed if sent again: the API server did not answer, was
+/// overloaded or failing (429, 5xx), or a conflict; not when it refused the write itself (the
+/// object is gone, forbidden, invalid).
+pub fn worth_retrying(e: &kube::Error) -> bool {
+    match e {
+        kube::Error::Api(s) => s.code == 409 || s.code == 429 || s.code >= 500,
+        kube::Error::SerdeError(_) | kube::Error::BuildRequest(_) => false,
+        _ => true,
+    }
+}
+
+/// When the replay stopped during its canary wait (canaries still `Waiting`): what that means
+/// for the messages and for the resume.
+pub fn canary_wait_note(status: &DlqReplayStatus) -> Option<String> {
+    let waiting = status
+        .canary
+        .iter()
+        .filter(|c| c.result == CanaryResult::Waiting)
+        .count();
+    (waiting > 0).then(|| {
+        format!(
+            "it stopped during the canary wait with {waiting} canaries out (published, acked and audited) and their verdict not recorded: the resumed run starts the canary phase again, one new canary per signature"
+        )
+    })
 }
 
 /// A CamelCase reason: the prefix of the message when it has one (`NoConsumer: ...`), else
@@ -97,14 +187,19 @@ mod tests {
         }
     }
 
+    fn t(secs: i64) -> Time {
+        Time(k8s_openapi::jiff::Timestamp::from_second(1_800_000_000 + secs).unwrap())
+    }
+
     #[test]
     fn done_is_ready_and_failed_is_degraded() {
-        let c = conditions(&st(Phase::Done, "ok"), &[], "t1");
+        let c = conditions(&st(Phase::Done, "ok"), &[], Some(3), &t(1));
+        assert!(c.iter().all(|c| c.observed_generation == Some(3)));
         assert_eq!(
             c.iter().find(|c| c.type_ == "Ready").unwrap().status,
             "True"
         );
-        let c = conditions(&st(Phase::CanaryFailed, "x"), &[], "t1");
+        let c = conditions(&st(Phase::CanaryFailed, "x"), &[], Some(3), &t(1));
         assert_eq!(
             c.iter().find(|c| c.type_ == "Degraded").unwrap().status,
             "True"
@@ -117,19 +212,67 @@ mod tests {
 
     #[test]
     fn transition_time_is_kept_while_status_holds() {
-        let first = conditions(&st(Phase::Draining, "a"), &[], "t1");
-        let second = conditions(&st(Phase::Draining, "b"), &first, "t2");
+        let first = conditions(&st(Phase::Draining, "a"), &[], Some(1), &t(1));
+        // Through crate::api's type and back, as a read of the object gives them.
+        let stored = from_api(&to_api(&first));
+        let second = conditions(&st(Phase::Draining, "b"), &stored, Some(1), &t(2));
         let p = second.iter().find(|c| c.type_ == "Progressing").unwrap();
-        assert_eq!(p.last_transition_time, "t1");
-        let third = conditions(&st(Phase::Done, "c"), &second, "t3");
+        assert_eq!(p.last_transition_time, t(1));
+        let third = conditions(&st(Phase::Done, "c"), &second, Some(1), &t(3));
         assert_eq!(
             third
                 .iter()
                 .find(|c| c.type_ == "Progressing")
                 .unwrap()
                 .last_transition_time,
-            "t3"
+            t(3)
         );
+    }
+
+    #[test]
+    fn the_apply_body_is_the_whole_status_with_conditions_of_their_generation() {
+        let mut s = st(Phase::Draining, "replaying");
+        s.counts.replayed = 7;
+        let c = conditions(&s, &[], Some(2), &t(0));
+        let body = apply_body(&s, &c);
+        assert_eq!(body["apiVersion"], "replay.dlq.dev/v1alpha1");
+        assert_eq!(body["kind"], "DlqReplay");
+        assert_eq!(body["status"]["counts"]["replayed"], 7);
+        assert_eq!(body["status"]["conditions"][1]["type"], "Progressing");
+        assert_eq!(body["status"]["conditions"][1]["observedGeneration"], 2);
+        assert_eq!(
+            body["status"]["conditions"][1]["lastTransitionTime"],
+            "2027-01-15T08:00:00Z"
+        );
+    }
+
+    #[test]
+    fn only_writes_that_may_pass_are_tried_again() {
+        let api = |code: u16| {
+            kube::Error::Api(
+                kube::core::Status::failure("x", "y")
+                    .with_code(code)
+                    .boxed(),
+            )
+        };
+        assert!(worth_retrying(&api(503)));
+        assert!(worth_retrying(&api(429)));
+        assert!(worth_retrying(&api(409)));
+        assert!(!worth_retrying(&api(404)));
+        assert!(!worth_retrying(&api(422)));
+        assert!(!worth_retrying(&api(403)));
+    }
+
+    #[test]
+    fn a_stop_during_the_canary_wait_says_what_a_resume_does() {
+        let mut s = st(Phase::Canary, "1 canaries out");
+        assert!(canary_wait_note(&s).is_none());
+        s.canary.push(CanaryStatus {
+            signature: "TimeoutError".into(),
+            ..Default::default()
+        });
+        let note = canary_wait_note(&s).unwrap();
+        assert!(note.contains("1 canaries out") && note.contains("canary phase again"));
     }
 
     #[test]
