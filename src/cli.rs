@@ -209,7 +209,14 @@ pub async fn main(cli: Cli) -> ExitCode {
     }
 }
 
+/// Run the operator until SIGTERM or SIGINT: the replays in flight settle and say
+/// `OperatorStopped`, the Lease is released, and the process exits 0 (a second signal exits at
+/// once, 130). Exits non-zero when the controller died.
 async fn operator(args: OperatorArgs) -> Result<ExitCode, Error> {
+    let metrics = crate::metrics::Metrics::global();
+    let shutdown = CancellationToken::new();
+    // First, so that a SIGTERM during start-up is a clean stop too.
+    tokio::spawn(on_signals(shutdown.clone(), metrics.clone()));
     let client = kube::Client::try_default().await.map_err(|e| {
         Error::Config(format!(
             "no Kubernetes client (in-cluster or kubeconfig): {e}"
@@ -226,24 +233,51 @@ async fn operator(args: OperatorArgs) -> Result<ExitCode, Error> {
         },
         ..crate::controller::Settings::default()
     };
-    let metrics = crate::metrics::Metrics::global();
-    let http = tokio::spawn(crate::metrics::serve(args.http_addr, metrics.clone()));
-    if args.no_leader_election {
+    let listener = tokio::net::TcpListener::bind(args.http_addr)
+        .await
+        .map_err(|e| Error::Config(format!("--http-addr {}: {e}", args.http_addr)))?;
+    let http = tokio::spawn(crate::metrics::serve_on(listener, metrics.clone()));
+    let started = std::time::Instant::now();
+    let result = if args.no_leader_election {
         metrics.set_ready(true);
         metrics.leader.set(1);
-        crate::controller::run(client, settings).await;
+        crate::controller::run_until(client, settings, shutdown.clone().cancelled_owned()).await
     } else {
         crate::controller::run_with_leader_election(
             client,
             settings,
             &args.lease_namespace,
-            metrics,
+            metrics.clone(),
+            shutdown.clone(),
         )
         .await
-        .map_err(Error::Config)?;
-    }
+    };
+    metrics.set_ready(false);
     http.abort();
+    result.map_err(Error::Config)?;
+    tracing::info!(
+        up_s = started.elapsed().as_secs(),
+        "stopped: replays settled, lease released"
+    );
     Ok(ExitCode::SUCCESS)
+}
+
+/// The first SIGTERM/SIGINT asks for a graceful stop (not ready from then on); a second one
+/// exits at once.
+async fn on_signals(shutdown: CancellationToken, metrics: std::sync::Arc<crate::metrics::Metrics>) {
+    let first = crate::controller::signalled().await;
+    tracing::info!(
+        signal = first,
+        "graceful shutdown requested: settling the messages in flight, then releasing the lease"
+    );
+    metrics.set_ready(false);
+    shutdown.cancel();
+    let second = crate::controller::signalled().await;
+    tracing::warn!(
+        signal = second,
+        "second signal: exiting now; the batches in flight are decided again by the next run"
+    );
+    std::process::exit(130);
 }
 
 fn crd() -> Result<ExitCode, Error> {

@@ -43,7 +43,7 @@ fn replays(c: &Cluster) -> Api<DlqReplay> {
 fn operator(
     c: &Cluster,
 ) -> (
-    tokio::task::JoinHandle<()>,
+    tokio::task::JoinHandle<Result<(), String>>,
     tokio::sync::oneshot::Sender<()>,
 ) {
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -394,7 +394,7 @@ async fn an_operator_restart_mid_drain_resumes_and_loses_nothing(c: &Cluster) {
     .await;
     let id = before.status.unwrap().replay_id;
     stop.send(()).unwrap();
-    op.await.unwrap();
+    op.await.unwrap().unwrap();
     // The operator's own stop is not the user's suspend: the replay waits for the next leader.
     let stopped = api.get("rst").await.unwrap().status.unwrap();
     assert_eq!(stopped.phase, Some(Phase::Pending), "{stopped:?}");
@@ -464,8 +464,11 @@ async fn with_two_replicas_only_the_leader_drives_replays(c: &Cluster) {
             let lease_ns = c.ns().to_string();
             tokio::spawn(async move {
                 let metrics = dlq_replay::metrics::Metrics::global();
-                let _ = controller::run_with_leader_election(client, settings, &lease_ns, metrics)
-                    .await;
+                let shutdown = tokio_util::sync::CancellationToken::new();
+                let _ = controller::run_with_leader_election(
+                    client, settings, &lease_ns, metrics, shutdown,
+                )
+                .await;
             })
         })
         .collect();

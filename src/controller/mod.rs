@@ -4,7 +4,13 @@
 //! Reconcile is dereference → decide → run/resume → write status. It is idempotent: a replay has
 //! at most one task (keyed by namespace/name), a finished replay is never started again, and an
 //! operator restart resumes an unfinished one from its status and the engine's Redis state.
+//!
+//! Stopping is cooperative and bounded: a shutdown (SIGTERM/SIGINT, see [`run_until`] and
+//! [`run_with_leader_election`]), a lost Lease, a `spec.suspend` or a deletion cancels the
+//! replay's task; the engine settles the batch in flight (every wait it may be in watches the
+//! cancellation), the final status is written, and on a shutdown the Lease is released last.
 
+pub mod lease;
 pub mod status;
 
 use std::collections::HashMap;
@@ -109,13 +115,14 @@ impl Context {
         })
     }
 
-    /// Stop every task (their in-flight messages settle first) — for a clean shutdown.
+    /// Stop every task (their in-flight messages settle first) — for a clean shutdown. All are
+    /// told at once and settle side by side.
     pub async fn stop_all(&self) {
         let tasks: Vec<Task> = self.tasks.lock().await.drain().map(|(_, t)| t).collect();
-        for t in tasks {
+        for t in &tasks {
             t.cancel.cancel();
-            let _ = t.handle.await;
         }
+        futures::future::join_all(tasks.into_iter().map(|t| t.handle)).await;
     }
 
     /// How many replays run now.
@@ -124,73 +131,188 @@ impl Context {
     }
 }
 
-/// Lead, then drive replays while leading: only the holder of the Lease runs replays, so two
-/// replicas never replay the same queue. Losing the lease stops every task after its in-flight
-/// messages settle.
+/// The `/healthz` names of the controller and of the lease loop.
+const CONTROLLER_PART: &str = "controller";
+const LEASE_PART: &str = "lease";
+
+/// Lead, then drive replays while leading, until `shutdown` is cancelled: only the holder of the
+/// [`LEASE`] runs replays, so two replicas never replay the same queue (see [`lease`]).
+///
+/// - Losing the Lease (another replica holds it, or it could not be renewed within the renew
+///   deadline) stops every task after its in-flight messages settle, then follows again.
+/// - `shutdown` stops the controller and every task the same way (status `OperatorStopped`),
+///   keeps renewing meanwhile, then releases the Lease so that another replica takes over at its
+///   next ask (2 s), and returns `Ok`. A follower returns at once.
+/// - The controller dying (a panic) stops the tasks, releases the Lease and returns `Err`;
+///   `/healthz` says so meanwhile, and so it does when the lease loop stalls.
 pub async fn run_with_leader_election(
     client: Client,
     settings: Settings,
     lease_ns: &str,
     metrics: std::sync::Arc<crate::metrics::Metrics>,
+    shutdown: CancellationToken,
 ) -> Result<(), String> {
-    let manager = kube_lease_manager::LeaseManagerBuilder::new(client.clone(), "dlq-replay-leader")
-        .with_namespace(lease_ns)
-        .with_identity(settings.instance.clone())
-        .build()
-        .await
-        .map_err(|e| format!("lease: {e}"))?;
-    let (mut leading, _task) = manager.watch().await;
-    metrics.set_ready(true);
+    let cfg = lease::LeaseConfig::new(LEASE, lease_ns, &settings.instance);
+    let (retry, stale) = (cfg.retry, cfg.duration * 2);
+    let mut elector = lease::Elector::new(client.clone(), cfg);
     loop {
-        while !*leading.borrow_and_update() {
-            metrics.leader.set(0);
-            leading
-                .changed()
-                .await
-                .map_err(|_| "lease manager stopped".to_string())?;
-        }
-        metrics.leader.set(1);
-        tracing::info!(instance = %settings.instance, "leading: driving replays");
-        let mut lost = leading.clone();
-        let lost_lease = async move {
-            while *lost.borrow_and_update() {
-                if lost.changed().await.is_err() {
-                    break;
+        metrics.leader.set(0);
+        loop {
+            metrics.alive(LEASE_PART, Some(stale));
+            match elector.try_acquire_or_renew().await {
+                Ok(true) => break,
+                Ok(false) => metrics.set_ready(true),
+                Err(e) => tracing::warn!(error = %e, "asking for the lease"),
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(jittered(retry)) => {}
+                _ = shutdown.cancelled() => {
+                    metrics.stopped(LEASE_PART);
+                    tracing::info!("shutdown: not leading, nothing to settle");
+                    return Ok(());
                 }
             }
+        }
+        metrics.set_ready(true);
+        metrics.leader.set(1);
+        tracing::info!(instance = %settings.instance, "leading: driving replays");
+        // Cancelled by a shutdown, or by this loop when the Lease is lost.
+        let stop = shutdown.child_token();
+        let mut controller = tokio::spawn(run_until(
+            client.clone(),
+            settings.clone(),
+            stop.clone().cancelled_owned(),
+        ));
+        // Renew while the controller runs and while its replays settle after a stop: the Lease
+        // stays ours until they did.
+        let ended = loop {
+            tokio::select! {
+                ended = &mut controller => break ended,
+                _ = tokio::time::sleep(retry) => {}
+            }
+            metrics.alive(LEASE_PART, Some(stale));
+            if stop.is_cancelled() && !shutdown.is_cancelled() {
+                continue; // stepping down: no more renewals
+            }
+            match elector.try_acquire_or_renew().await {
+                Ok(true) => {}
+                Ok(false) => {
+                    tracing::warn!("another replica holds the lease: stopping the replays");
+                    stop.cancel();
+                }
+                Err(e) if elector.renewal_overdue() => {
+                    tracing::warn!(error = %e, "could not renew the lease within the renew deadline: stopping the replays");
+                    stop.cancel();
+                }
+                Err(e) => tracing::warn!(error = %e, "renewing the lease; trying again"),
+            }
         };
-        run_until(client.clone(), settings.clone(), lost_lease).await;
-        tracing::warn!("lost the lease: replays stopped, waiting to lead again");
+        metrics.leader.set(0);
+        let died = match ended {
+            Ok(Ok(())) => None,
+            Ok(Err(why)) => Some(why),
+            Err(e) => Some(format!("the controller task failed: {e}")),
+        };
+        if died.is_none() && !shutdown.is_cancelled() {
+            tracing::warn!("lost the lease: replays stopped, waiting to lead again");
+            continue;
+        }
+        match elector.release().await {
+            Ok(true) => tracing::info!("released the lease"),
+            Ok(false) => tracing::info!("the lease was no longer ours"),
+            Err(e) => tracing::warn!(error = %e, "releasing the lease; it expires by itself"),
+        }
+        metrics.stopped(LEASE_PART);
+        return match died {
+            Some(why) => Err(why),
+            None => Ok(()),
+        };
     }
 }
 
-/// Run the controller until the stream ends (or the process is signalled).
-pub async fn run(client: Client, settings: Settings) {
-    run_until(client, settings, futures::future::pending()).await
+/// `d` ± 10 %, so that replicas do not ask in step.
+fn jittered(d: Duration) -> Duration {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |t| t.subsec_nanos());
+    d.mul_f64(0.9 + f64::from(nanos % 1000) / 5000.0)
 }
 
-/// Run the controller until `stop` completes or the process is signalled.
+/// SIGTERM or SIGINT (Ctrl-C): the name of the one that came.
+pub async fn signalled() -> &'static str {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        if let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) {
+            return tokio::select! {
+                _ = term.recv() => "SIGTERM",
+                _ = int.recv() => "SIGINT",
+            };
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+    "SIGINT"
+}
+
+/// Run the controller until the process is signalled (SIGTERM or SIGINT); `Err` when the
+/// controller died instead.
+pub async fn run(client: Client, settings: Settings) -> Result<(), String> {
+    run_until(client, settings, async {
+        let _ = signalled().await;
+    })
+    .await
+}
+
+/// Run the controller until `stop` completes, then stop every replay task (each settles its
+/// in-flight messages and writes its status). `Err` when the controller died instead (a
+/// panic): its tasks are stopped the same way, and `/healthz` says so.
 pub async fn run_until(
     client: Client,
     settings: Settings,
     stop: impl std::future::Future<Output = ()> + Send + Sync + 'static,
-) {
+) -> Result<(), String> {
     let api: Api<DlqReplay> = match &settings.namespace {
         Some(ns) => Api::namespaced(client.clone(), ns),
         None => Api::all(client.clone()),
     };
     let ctx = Context::new(client, settings);
-    Controller::new(api, watcher::Config::default())
-        .graceful_shutdown_on(stop)
-        .shutdown_on_signal()
+    let metrics = crate::metrics::Metrics::global();
+    metrics.alive(CONTROLLER_PART, None);
+    let stopping = CancellationToken::new();
+    let asked = stopping.clone();
+    let controller = Controller::new(api, watcher::Config::default())
+        .graceful_shutdown_on(async move {
+            stop.await;
+            asked.cancel();
+        })
         .run(reconcile, error_policy, ctx.clone())
         .for_each(|res| async move {
             if let Err(e) = res {
                 tracing::debug!(error = %e, "reconcile");
             }
-        })
-        .await;
+        });
+    // A task of its own: a panic in it still lets the replays stop cleanly.
+    let ended = tokio::spawn(controller).await;
+    let died = match ended {
+        Err(e) => Some(format!("the controller panicked: {e}")),
+        Ok(()) if !stopping.is_cancelled() => Some("the controller stream ended".to_string()),
+        Ok(()) => None,
+    };
+    if let Some(why) = &died {
+        tracing::error!(error = %why, "the controller died; stopping the replays");
+        metrics.died(CONTROLLER_PART, why);
+    }
     ctx.stop_all().await;
+    match died {
+        Some(why) => Err(why),
+        None => {
+            metrics.stopped(CONTROLLER_PART);
+            Ok(())
+        }
+    }
 }
 
 fn key_of(obj: &DlqReplay) -> String {
