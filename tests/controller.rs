@@ -593,6 +593,14 @@ async fn the_operator_binary_drives_a_replay_from_a_kubeconfig_and_serves_metric
     eprintln!("operator RSS: idle {idle} KiB, draining (peak seen) {draining} KiB");
     let metrics = http_get(port, "/metrics").await;
     assert!(
+        metrics
+            .to_ascii_lowercase()
+            .contains("content-type: application/openmetrics-text; version=1.0.0; charset=utf-8"),
+        "{metrics}"
+    );
+    assert!(metrics.trim_end().ends_with("# EOF"), "{metrics}");
+    assert!(http_get(port, "/healthz").await.contains("200 OK"));
+    assert!(
         metrics.contains("dlq_replay_messages_total{decision=\"replayed\"} 200"),
         "{metrics}"
     );
@@ -600,6 +608,349 @@ async fn the_operator_binary_drives_a_replay_from_a_kubeconfig_and_serves_metric
     assert_eq!(w.take(&w.topo.work).await.len(), 200);
     let _ = child.kill().await;
     w.cleanup().await;
+}
+
+/// A free local port.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The operator binary as one replica: it watches the test's namespace and holds its Lease there,
+/// serves /metrics, /healthz and /readyz on `port`; its stderr is collected by `log`.
+struct Replica {
+    name: String,
+    port: u16,
+    child: tokio::process::Child,
+    log: tokio::task::JoinHandle<String>,
+}
+
+async fn replica(c: &Cluster, kubeconfig: &std::ffi::OsStr, name: &str, extra: &[&str]) -> Replica {
+    use tokio::io::AsyncReadExt;
+    let port = free_port();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_dlq-replay"))
+        .args([
+            "operator",
+            "--namespace",
+            c.ns(),
+            "--http-addr",
+            &format!("127.0.0.1:{port}"),
+            "--lease-namespace",
+            c.ns(),
+            "--instance",
+            name,
+            "--status-interval",
+            "1",
+        ])
+        .args(extra)
+        .env("KUBECONFIG", kubeconfig)
+        .env_remove("RUST_LOG")
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    // Read as it comes, so that the pipe never fills up.
+    let log = tokio::spawn(async move {
+        let mut out = Vec::new();
+        let _ = stderr.read_to_end(&mut out).await;
+        String::from_utf8_lossy(&out).into_owned()
+    });
+    let t = Instant::now();
+    while !http_get(port, "/readyz").await.contains("200 OK") {
+        assert!(t.elapsed() < Duration::from_secs(20), "{name} never ready");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Replica {
+        name: name.into(),
+        port,
+        child,
+        log,
+    }
+}
+
+impl Replica {
+    /// SIGTERM, then how long it took to exit and its exit status (`None`: still running after
+    /// `within`, then killed).
+    async fn terminate(
+        &mut self,
+        within: Duration,
+    ) -> (Duration, Option<std::process::ExitStatus>) {
+        let pid = self
+            .child
+            .id()
+            .unwrap_or_else(|| panic!("{} is not running", self.name));
+        let t = Instant::now();
+        let sent = std::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success());
+        match tokio::time::timeout(within, self.child.wait()).await {
+            Ok(status) => (t.elapsed(), Some(status.unwrap())),
+            Err(_) => {
+                let _ = self.child.kill().await;
+                (t.elapsed(), None)
+            }
+        }
+    }
+
+    async fn log(self) -> String {
+        self.log.await.unwrap()
+    }
+}
+
+async fn lease_holder(c: &Cluster) -> Option<String> {
+    c.get_json("leases", c.ns(), controller::LEASE)
+        .await
+        .and_then(|l| l["spec"]["holderIdentity"].as_str().map(String::from))
+        .filter(|h| !h.is_empty())
+}
+
+async fn sigterm_to_the_leading_operator_mid_drain_exits_0_and_the_other_replica_finishes(
+    c: &Cluster,
+) {
+    let w = World::new("ctl-sigterm").await;
+    w.dead_letter((0..60).map(|i| job(&format!("t{i}"), json!({}))).collect())
+        .await;
+    secrets(c).await;
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = c.kubeconfig(dir.path());
+    let mut a = replica(c, &kubeconfig, "op-a", &["--log-format", "json"]).await;
+    let t = Instant::now();
+    while lease_holder(c).await.as_deref() != Some("op-a") {
+        assert!(t.elapsed() < Duration::from_secs(20), "op-a never led");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let b = replica(c, &kubeconfig, "op-b", &[]).await;
+    let api = replays(c);
+    let extra = format!(
+        "{}  rate: {{messagesPerSecond: 20}}\n",
+        w.idempotency("Claim")
+    );
+    api.create(
+        &PostParams::default(),
+        &resource(&w, c.ns(), "term", &extra),
+    )
+    .await
+    .unwrap();
+    let before = wait_for(&api, "term", "some progress", |r| {
+        phase(r) == Some(Phase::Draining)
+            && r.status.as_ref().is_some_and(|s| s.counts.replayed >= 5)
+    })
+    .await;
+    let id = before.status.unwrap().replay_id;
+    let (shutdown, exit) = a.terminate(Duration::from_secs(10)).await;
+    let exited = Instant::now();
+    eprintln!(
+        "shutdown of the leading replica: SIGTERM -> exit {} ms ({exit:?})",
+        shutdown.as_millis()
+    );
+    let exit = exit.expect("still running 10 s after SIGTERM");
+    assert_eq!(exit.code(), Some(0), "{exit:?}");
+    assert_ne!(
+        lease_holder(c).await.as_deref(),
+        Some("op-a"),
+        "the Lease was not released"
+    );
+    let log = a.log().await;
+    for line in log.lines().filter(|l| !l.trim().is_empty()) {
+        let v: Value = serde_json::from_str(line).unwrap_or_else(|e| {
+            panic!("--log-format json wrote a line that is not JSON ({e}): {line}")
+        });
+        assert!(v["level"].is_string() && v["fields"].is_object(), "{line}");
+    }
+    assert!(log.contains("graceful shutdown requested"), "{log}");
+    assert!(log.contains("released the lease"), "{log}");
+    // The stop is the operator's: the replay waits for the next leader, and says so.
+    let stopped = |e: &Value| {
+        e["reportingInstance"] == "op-a"
+            && e["note"]
+                .as_str()
+                .is_some_and(|n| n.starts_with("OperatorStopped:"))
+    };
+    let events = events_once(c, |es| es.iter().any(stopped)).await;
+    assert!(events.iter().any(stopped), "{events:?}");
+    while lease_holder(c).await.as_deref() != Some("op-b") {
+        assert!(exited.elapsed() < Duration::from_secs(10), "op-b never led");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!(
+        "takeover: op-a exited -> op-b holds the Lease {} ms",
+        exited.elapsed().as_millis()
+    );
+    let r = wait_for(&api, "term", "Done", |r| phase(r) == Some(Phase::Done)).await;
+    let metrics = http_get(b.port, "/metrics").await;
+    assert!(metrics.contains("dlq_replay_leader 1"), "{metrics}");
+    assert!(http_get(b.port, "/healthz").await.contains("200 OK"));
+    let s = r.status.unwrap();
+    assert_eq!(
+        s.replay_id, id,
+        "the other replica must resume the same replay"
+    );
+    let target = w.take(&w.topo.work).await;
+    assert_each_key_once(&target);
+    assert_eq!(
+        target.len() as u64 + w.depth(&w.topo.quarantine).await as u64,
+        60,
+        "{s:?}"
+    );
+    assert_eq!(w.depth(&w.topo.dlq).await, 0);
+    // The follower's logs are text, and without colour codes: its stderr is not a terminal.
+    let mut b = b;
+    let (_, exit_b) = b.terminate(Duration::from_secs(10)).await;
+    assert_eq!(exit_b.and_then(|e| e.code()), Some(0));
+    let log_b = b.log().await;
+    assert!(
+        !log_b.contains('\u{1b}'),
+        "ANSI codes in a log written to a pipe"
+    );
+    assert!(log_b.contains("leading: driving replays"), "{log_b}");
+    w.cleanup().await;
+}
+
+async fn deleting_a_replay_during_a_ten_minute_canary_wait_returns_within_seconds(c: &Cluster) {
+    let w = World::new("ctl-canary-del").await;
+    w.dead_letter((0..20).map(|i| job(&format!("w{i}"), json!({}))).collect())
+        .await;
+    // A worker that does the jobs: the canary does not come back, the wait runs its length.
+    let _worker = w.worker(|_| false).await;
+    secrets(c).await;
+    let (_op, _stop) = operator(c);
+    let api = replays(c);
+    let mut r = resource(&w, c.ns(), "wait", "");
+    r.spec.canary.enabled = true;
+    r.spec.canary.wait_seconds = 600;
+    api.create(&PostParams::default(), &r).await.unwrap();
+    let r = wait_for(&api, "wait", "Canary", |r| phase(r) == Some(Phase::Canary)).await;
+    let out = r.status.unwrap().canary.len() as u32;
+    assert_eq!(out, 1, "one signature, one canary");
+    api.delete("wait", &DeleteParams::default()).await.unwrap();
+    let t = Instant::now();
+    while api.get_opt("wait").await.unwrap().is_some() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "the replay task still waits on its canary 10 s after the delete"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!(
+        "delete during a 600 s canary wait: gone after {} ms",
+        t.elapsed().as_millis()
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        w.depth(&w.topo.dlq).await,
+        20 - out,
+        "the DLQ lost more than the canary"
+    );
+    w.cleanup().await;
+}
+
+async fn suspending_during_the_canary_wait_says_so_and_resuming_sends_new_canaries(c: &Cluster) {
+    let w = World::new("ctl-canary-sus").await;
+    w.dead_letter((0..10).map(|i| job(&format!("u{i}"), json!({}))).collect())
+        .await;
+    let _worker = w.worker(|_| false).await;
+    secrets(c).await;
+    let (_op, _stop) = operator(c);
+    let api = replays(c);
+    let mut r = resource(&w, c.ns(), "sw", "");
+    r.spec.canary.enabled = true;
+    r.spec.canary.wait_seconds = 600;
+    api.create(&PostParams::default(), &r).await.unwrap();
+    let first = wait_for(&api, "sw", "Canary", |r| phase(r) == Some(Phase::Canary)).await;
+    let first = first.status.unwrap().canary;
+    api.patch(
+        "sw",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"suspend": true}})),
+    )
+    .await
+    .unwrap();
+    let t = Instant::now();
+    let r = wait_for(&api, "sw", "Suspended", |r| {
+        phase(r) == Some(Phase::Suspended)
+    })
+    .await;
+    assert!(t.elapsed() < Duration::from_secs(10));
+    // What the stop means for the canary that is out, and for the resume.
+    let msg = r.status.and_then(|s| s.message).unwrap_or_default();
+    assert!(
+        msg.contains("canary wait") && msg.contains("canary phase again"),
+        "{msg}"
+    );
+    eprintln!(
+        "suspend during a 600 s canary wait: Suspended after {} ms",
+        t.elapsed().as_millis()
+    );
+    assert_eq!(w.depth(&w.topo.dlq).await, 9);
+    api.patch(
+        "sw",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"suspend": false}})),
+    )
+    .await
+    .unwrap();
+    // The verdict of the first canary was not recorded: the resume sends a new one.
+    let again = wait_for(&api, "sw", "a new canary", |r| {
+        phase(r) == Some(Phase::Canary)
+            && r.status.as_ref().is_some_and(|s| {
+                s.canary.first().map(|c| &c.message_id) != first.first().map(|c| &c.message_id)
+            })
+    })
+    .await;
+    let s = again.status.unwrap();
+    assert_eq!(s.counts.replayed, 2, "{s:?}");
+    assert_eq!(w.depth(&w.topo.dlq).await, 8);
+    w.cleanup().await;
+}
+
+async fn the_lease_is_taken_at_once_after_a_release_and_after_expiry_otherwise(c: &Cluster) {
+    use dlq_replay::controller::lease::{Elector, LeaseConfig};
+    let cfg = |who: &str| LeaseConfig {
+        duration: Duration::from_secs(3),
+        renew_deadline: Duration::from_secs(2),
+        retry: Duration::from_millis(200),
+        ..LeaseConfig::new("test-lease", c.ns(), who)
+    };
+    let mut a = Elector::new(c.client(), cfg("a"));
+    let mut b = Elector::new(c.client(), cfg("b"));
+    assert!(
+        a.try_acquire_or_renew().await.unwrap(),
+        "a free Lease is taken"
+    );
+    assert!(
+        !b.try_acquire_or_renew().await.unwrap(),
+        "a held Lease is not"
+    );
+    assert!(a.try_acquire_or_renew().await.unwrap(), "the holder renews");
+    assert!(a.release().await.unwrap());
+    assert!(
+        b.try_acquire_or_renew().await.unwrap(),
+        "a released Lease is taken at the next ask"
+    );
+    assert!(!a.try_acquire_or_renew().await.unwrap());
+    // b stops renewing (as a replica that died): a takes over once the Lease expired, on its own
+    // clock, and not before.
+    let t = Instant::now();
+    while !a.try_acquire_or_renew().await.unwrap() {
+        assert!(t.elapsed() < Duration::from_secs(10), "never taken over");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        t.elapsed() >= Duration::from_millis(2800),
+        "{:?}",
+        t.elapsed()
+    );
+    let lease = c.get_json("leases", c.ns(), "test-lease").await.unwrap();
+    assert_eq!(lease["spec"]["holderIdentity"], "a");
+    assert_eq!(lease["spec"]["leaseTransitions"], 2, "{lease}");
+    assert!(!b.try_acquire_or_renew().await.unwrap());
+    assert!(b.renewal_overdue());
 }
 
 macro_rules! scenarios {
@@ -650,4 +1001,8 @@ scenarios!(
     a_canary_that_dies_again_ends_canary_failed,
     with_two_replicas_only_the_leader_drives_replays,
     the_operator_binary_drives_a_replay_from_a_kubeconfig_and_serves_metrics,
+    sigterm_to_the_leading_operator_mid_drain_exits_0_and_the_other_replica_finishes,
+    deleting_a_replay_during_a_ten_minute_canary_wait_returns_within_seconds,
+    suspending_during_the_canary_wait_says_so_and_resuming_sends_new_canaries,
+    the_lease_is_taken_at_once_after_a_release_and_after_expiry_otherwise,
 );
