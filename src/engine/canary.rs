@@ -23,7 +23,7 @@ use crate::engine::now;
 use crate::engine::publish::{self, Publisher};
 use crate::engine::scan::Scan;
 use crate::engine::source;
-use crate::engine::store::{AuditRow, Store};
+use crate::engine::store::{AuditRow, ClaimEnd, Held, Store};
 use crate::engine::watch::{self, Returned, Returns};
 use crate::Error;
 
@@ -249,10 +249,14 @@ async fn is_done(
         return Ok(false);
     };
     let v: Option<String> = redis::cmd("GET").arg(key).query_async(redis).await?;
-    Ok(match idem.mode {
-        IdempotencyMode::Check => v.as_deref() == Some(idem.done_value.as_str()),
-        IdempotencyMode::Claim => v.is_some(),
-    })
+    // Not a canary candidate: done, or (Claim mode) held by anyone; the drain decides it.
+    Ok(
+        match (idem.mode, Held::of(v.as_deref(), &idem.done_value)) {
+            (_, Held::Done) => true,
+            (IdempotencyMode::Check, _) | (_, Held::Free) => false,
+            (IdempotencyMode::Claim, _) => true,
+        },
+    )
 }
 
 /// The queue a candidate would land on; none when the target exchange is overridden (the
@@ -326,8 +330,8 @@ async fn publish_canaries(
         delta: Counts::default(),
         records: 0,
     };
-    let (mut rows, mut settled, mut acks, mut stays) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut rows, mut settled, mut acks, mut stays, mut claims) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for c in cands {
         let props = &c.delivery.properties;
         let identity = message::identity(props, &c.delivery.data);
@@ -366,6 +370,15 @@ async fn publish_canaries(
             Ok(()) => "replayed",
             Err(_) => "failed",
         };
+        if let (Some(_), Some(k)) = (claiming, &c.key) {
+            // Like the drain's: a confirmed publish marks the claim published, a failed one
+            // hands it back, so no later replay drops this message on its account.
+            claims.push(ClaimEnd {
+                key: k.clone(),
+                value: claim_value.to_string(),
+                published: res.is_ok(),
+            });
+        }
         if let Err(why) = &res {
             // Could not even be sent: this signature is held back, the message stays.
             status.result = CanaryResult::DiedAgain;
@@ -402,7 +415,10 @@ async fn publish_canaries(
             stays.push(c.delivery);
         }
     }
-    watch.records = store.commit(&rows, &settled, &[], &watch.delta).await?.0;
+    watch.records = store
+        .commit(&rows, &settled, &claims, &watch.delta)
+        .await?
+        .0;
     for tag in acks {
         scan.ack(tag).await?;
     }

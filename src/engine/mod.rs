@@ -1078,7 +1078,15 @@ impl<'a> Drain<'a> {
                         "OutcomeUnknown: claimed by an earlier run of this replay that stopped before recording the publish".into(),
                     ),
                 },
-                (Some(_), Some(v)) => Act::Duplicate { reason: format!("key is claimed ({v})"), same_attempt: false },
+                (Some(_), Some(v)) => match store::Held::of(Some(v), done) {
+                    // Another replay claimed it and never recorded a confirmed publish: its work
+                    // may never have gone out, so it is not dropped as a duplicate.
+                    held @ store::Held::Unconfirmed(_) => Act::Quarantine(format!(
+                        "OutcomeUnknown: claimed by replay {} without a confirmed publish",
+                        held.replay().unwrap_or_default()
+                    )),
+                    _ => Act::Duplicate { reason: format!("key is claimed ({v})"), same_attempt: false },
+                },
                 // The claim was refused but the key vanished in between (expired): leave it.
                 (Some(_), None) => Act::Failed("claim refused, then the key vanished; left in the queue".into()),
             };
@@ -1219,7 +1227,7 @@ impl<'a> Drain<'a> {
     async fn settle(&mut self, items: Vec<Item>) -> Result<(), Error> {
         let mut rows = Vec::new();
         let mut settled = Vec::new();
-        let mut release = Vec::new();
+        let mut claims = Vec::new();
         let mut delta = Counts::default();
         let mut acks = Vec::new();
         let mut taken_back = Vec::new();
@@ -1271,6 +1279,11 @@ impl<'a> Drain<'a> {
                 }
                 Act::Replayed(d) => {
                     delta.replayed += 1;
+                    if claiming {
+                        if let Some(k) = &item.key {
+                            claims.push(self.claim_end(k, true));
+                        }
+                    }
                     (
                         "replayed",
                         String::new(),
@@ -1292,7 +1305,7 @@ impl<'a> Drain<'a> {
                 Act::Failed(r) => {
                     if claiming {
                         if let Some(k) = &item.key {
-                            release.push((k.clone(), self.claim_value.clone()));
+                            claims.push(self.claim_end(k, false));
                         }
                     }
                     if ending {
@@ -1311,7 +1324,7 @@ impl<'a> Drain<'a> {
                 Act::Unsent => {
                     if claiming {
                         if let Some(k) = &item.key {
-                            release.push((k.clone(), self.claim_value.clone()));
+                            claims.push(self.claim_end(k, false));
                         }
                     }
                     continue;
@@ -1345,7 +1358,7 @@ impl<'a> Drain<'a> {
                 time: time.clone(),
             });
         }
-        let (records, again) = self.store.commit(&rows, &settled, &release, &delta).await?;
+        let (records, again) = self.store.commit(&rows, &settled, &claims, &delta).await?;
         if claiming && again > 0 {
             // The invariant Claim mode exists for broke: say so loudly, and count it.
             tracing::error!(replay = %self.replay_id, keys = again, "Claim mode published a key twice");
@@ -1383,6 +1396,15 @@ impl<'a> Drain<'a> {
             )));
         }
         Ok(())
+    }
+
+    /// The end of this attempt's claim on `key`: published, or released.
+    fn claim_end(&self, key: &str, published: bool) -> store::ClaimEnd {
+        store::ClaimEnd {
+            key: key.to_string(),
+            value: self.claim_value.clone(),
+            published,
+        }
     }
 
     fn report(&mut self, progress: &Progress) {

@@ -12,6 +12,7 @@ use serde::Serialize;
 use crate::api::{Counts, DlqReplayStatus, IdempotencyMode, Phase};
 use crate::engine::classify::{self, Rules, SkipReason, Verdict};
 use crate::engine::scan::Scan;
+use crate::engine::store::Held;
 use crate::engine::{connect_amqp, now, store, Replay};
 use crate::Error;
 
@@ -143,15 +144,19 @@ async fn resolve(
     let keys: Vec<&str> = pending.iter().map(|(k, _)| k.as_str()).collect();
     let values: Vec<Option<String>> = redis::cmd("MGET").arg(&keys).query_async(con).await?;
     for ((_, sig), v) in pending.iter().zip(values) {
-        let dup = match (idem.mode, v) {
-            (_, Some(v)) if v == idem.done_value => true,
-            (IdempotencyMode::Claim, Some(_)) => true,
-            _ => false,
-        };
-        if dup {
-            bump(report, sig, |c| c.duplicates += 1);
-        } else {
-            bump(report, sig, |c| c.replayed += 1);
+        match (idem.mode, Held::of(v.as_deref(), &idem.done_value)) {
+            (_, Held::Done) => bump(report, sig, |c| c.duplicates += 1),
+            (IdempotencyMode::Claim, Held::Unconfirmed(_)) => {
+                bump(report, sig, |c| c.quarantined += 1);
+                *report
+                    .reasons
+                    .entry("quarantine: OutcomeUnknown".into())
+                    .or_default() += 1;
+            }
+            (IdempotencyMode::Claim, Held::Published(_) | Held::Other(_)) => {
+                bump(report, sig, |c| c.duplicates += 1)
+            }
+            _ => bump(report, sig, |c| c.replayed += 1),
         }
     }
     pending.clear();

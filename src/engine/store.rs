@@ -15,11 +15,12 @@ use crate::api::Counts;
 use crate::Error;
 
 /// A batch's outcome, applied once. KEYS: the audit stream, the settled hash, the state hash,
-/// then the claims to release. ARGV: the commit id; the audit field names (count first); the
+/// then the claims the batch ends. ARGV: the commit id; the audit field names (count first); the
 /// rows (count first, one value per field each); the settled marks and then the `key:` marks
-/// (each count first, field and value each); the release values (count first, one per released
-/// claim); the count deltas (count first, field and increment each). Released claims are
-/// compare-and-delete, so a failed publish releases only its own claim. `key:` marks are
+/// (each count first, field and value each); the ended claims (count first, then per claim its
+/// value and the value it takes once published, or "" to release it); the count deltas (count
+/// first, field and increment each). Ended claims are compare-and-set or compare-and-delete, so a
+/// batch ends only its own claims. `key:` marks are
 /// HSETNX, and those that existed already are counted. The commit id kept in the state hash
 /// makes a retry of a commit that did go through (its answer was lost) change nothing.
 const COMMIT: &str = r#"
@@ -52,8 +53,14 @@ for _ = 1, tonumber(take()) do
   again = again + (1 - redis.call('HSETNX', settled, take(), take()))
 end
 for k = 1, tonumber(take()) do
-  local key, value = KEYS[3 + k], take()
-  if redis.call('GET', key) == value then redis.call('DEL', key) end
+  local key, value, confirmed = KEYS[3 + k], take(), take()
+  if redis.call('GET', key) == value then
+    if confirmed == '' then
+      redis.call('DEL', key)
+    else
+      redis.call('SET', key, confirmed, 'KEEPTTL')
+    end
+  end
 end
 for _ = 1, tonumber(take()) do
   redis.call('HINCRBY', state, take(), take())
@@ -195,6 +202,76 @@ impl AuditRow {
             if self.canary { "true" } else { "false" },
             &self.time,
         ]
+    }
+}
+
+/// How a claim of this replay ends with the batch that took it: marked as published (its publish
+/// is confirmed), or released (nothing went out). Both only if the key still holds `value`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimEnd {
+    /// The idempotency key.
+    pub key: String,
+    /// The claim value this replay set (`<replay id>/<attempt>`).
+    pub value: String,
+    /// Whether the publish under this claim was confirmed.
+    pub published: bool,
+}
+
+/// The value a claim takes once its publish is confirmed.
+pub fn confirmed_claim(claim: &str) -> String {
+    format!("{claim}{PUBLISHED}")
+}
+
+/// What a confirmed claim's value ends with.
+const PUBLISHED: &str = "+published";
+
+/// What an idempotency key's value says, to anyone but the replay attempt that holds it: the one
+/// rule by which the drain, the canary and `plan` tell a duplicate from a key whose work may
+/// never have gone out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Held {
+    /// No value: the key is free.
+    Free,
+    /// The worker marked it done.
+    Done,
+    /// Claimed by a replay (`<replay id>/<attempt>`) whose publish is confirmed: a duplicate.
+    Published(String),
+    /// Claimed by a replay whose publish was never confirmed (a crash, a failed publish): it
+    /// may never have gone out, so nothing may be dropped on its account.
+    Unconfirmed(String),
+    /// Some other value (Claim mode: held by something else): a duplicate.
+    Other(String),
+}
+
+impl Held {
+    /// Read a key's value (`None`: no value) with the worker's done value.
+    pub fn of(value: Option<&str>, done: &str) -> Self {
+        let Some(v) = value else {
+            return Held::Free;
+        };
+        if v == done {
+            return Held::Done;
+        }
+        let claim = v.strip_suffix(PUBLISHED).unwrap_or(v);
+        let is_claim = claim.split_once('/').is_some_and(|(id, attempt)| {
+            id.len() == 32
+                && id.bytes().all(|b| b.is_ascii_hexdigit())
+                && !attempt.is_empty()
+                && attempt.bytes().all(|b| b.is_ascii_digit())
+        });
+        match (is_claim, claim.len() < v.len()) {
+            (true, true) => Held::Published(claim.to_string()),
+            (true, false) => Held::Unconfirmed(claim.to_string()),
+            (false, _) => Held::Other(v.to_string()),
+        }
+    }
+
+    /// The replay id of a replay's claim.
+    pub fn replay(&self) -> Option<&str> {
+        match self {
+            Held::Published(c) | Held::Unconfirmed(c) => c.split_once('/').map(|(id, _)| id),
+            _ => None,
+        }
     }
 }
 
@@ -461,7 +538,7 @@ impl Store {
         &mut self,
         rows: &[AuditRow],
         settled: &[(String, String)],
-        release: &[(String, String)],
+        release: &[ClaimEnd],
         delta: &Counts,
     ) -> Result<(u64, u64), Error> {
         let invocation = self.commit_invocation(rows, settled, release, delta);
@@ -524,7 +601,7 @@ impl Store {
         &self,
         rows: &[AuditRow],
         settled: &[(String, String)],
-        release: &[(String, String)],
+        release: &[ClaimEnd],
         delta: &Counts,
     ) -> redis::ScriptInvocation<'static> {
         let (keys, marks): (Vec<_>, Vec<_>) =
@@ -547,8 +624,13 @@ impl Store {
             }
         }
         inv.arg(release.len());
-        for (key, value) in release {
-            inv.key(key).arg(value);
+        for c in release {
+            let confirmed = if c.published {
+                confirmed_claim(&c.value)
+            } else {
+                String::new()
+            };
+            inv.key(&c.key).arg(&c.value).arg(confirmed);
         }
         let counts: Vec<_> = count_fields(delta)
             .into_iter()
@@ -672,6 +754,90 @@ fn parse_state(map: &HashMap<String, String>) -> State {
 mod tests {
     //! Against the real Redis (REDIS_URL, else the local one), under keys of their own.
     use super::*;
+
+    #[test]
+    fn a_claim_is_published_only_once_marked_so() {
+        let id = "0123456789abcdef0123456789abcdef";
+        let claim = format!("{id}/2");
+        assert_eq!(Held::of(None, "done"), Held::Free);
+        assert_eq!(Held::of(Some("done"), "done"), Held::Done);
+        assert_eq!(
+            Held::of(Some(&claim), "done"),
+            Held::Unconfirmed(claim.clone())
+        );
+        let published = confirmed_claim(&claim);
+        assert_eq!(
+            Held::of(Some(&published), "done"),
+            Held::Published(claim.clone())
+        );
+        assert_eq!(Held::of(Some(&published), "done").replay(), Some(id));
+        for other in ["processing", "abc/1", "0123/x", &format!("{id}/")] {
+            assert_eq!(Held::of(Some(other), "done"), Held::Other(other.into()));
+        }
+    }
+
+    #[tokio::test]
+    async fn a_commit_marks_published_claims_and_releases_failed_ones_of_its_own_only() {
+        let mut s = store("claims").await;
+        let mut con = s.redis();
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let mine = format!("{id}/1");
+        let key = |n: &str| format!("test:claims:{id}:{n}");
+        for (k, v) in [
+            ("ok", mine.as_str()),
+            ("bad", mine.as_str()),
+            ("theirs", "x"),
+        ] {
+            redis::cmd("SET")
+                .arg(key(k))
+                .arg(v)
+                .arg("EX")
+                .arg(60)
+                .query_async::<()>(&mut con)
+                .await
+                .unwrap();
+        }
+        let end = |n: &str, published| ClaimEnd {
+            key: key(n),
+            value: mine.clone(),
+            published,
+        };
+        s.commit(
+            &[],
+            &[],
+            &[end("ok", true), end("bad", false), end("theirs", false)],
+            &Counts::default(),
+        )
+        .await
+        .unwrap();
+        let reader = con.clone();
+        let get = |k: String| {
+            let mut con = reader.clone();
+            async move {
+                let v: Option<String> = redis::cmd("GET")
+                    .arg(k)
+                    .query_async(&mut con)
+                    .await
+                    .unwrap();
+                v
+            }
+        };
+        assert_eq!(get(key("ok")).await, Some(confirmed_claim(&mine)));
+        let ttl: i64 = redis::cmd("TTL")
+            .arg(key("ok"))
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        assert!(ttl > 0, "the claim keeps its expiry: {ttl}");
+        assert_eq!(get(key("bad")).await, None);
+        assert_eq!(get(key("theirs")).await, Some("x".into()));
+        let _: () = redis::cmd("DEL")
+            .arg(key("ok"))
+            .arg(key("theirs"))
+            .query_async(&mut con)
+            .await
+            .unwrap();
+    }
 
     async fn store(name: &str) -> Store {
         let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/".into());
