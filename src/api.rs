@@ -87,6 +87,7 @@ pub struct ConnectionSpec {
     /// The URL, e.g. `amqp://user:pass@host:5672/vhost` or `redis://host:6379/0`; `amqps://` and
     /// `rediss://` use TLS. Prefer `urlSecretRef` for anything but local runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 2048))]
     pub url: Option<String>,
     /// A key of a Secret in the replay's namespace that holds the URL.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -98,8 +99,10 @@ pub struct ConnectionSpec {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct SecretKeyRef {
     /// The Secret's name.
+    #[schemars(length(min = 1, max = 253))]
     pub name: String,
     /// The key within the Secret's data.
+    #[schemars(length(min = 1, max = 253))]
     pub key: String,
 }
 
@@ -109,6 +112,7 @@ pub struct SecretKeyRef {
 pub struct SourceSpec {
     /// The queue's name. It must exist; the replay takes at most as many messages as it held
     /// when the replay started, so what dies again during the replay is not replayed by it.
+    #[schemars(length(min = 1, max = 255))]
     pub queue: String,
 }
 
@@ -119,9 +123,11 @@ pub struct TargetSpec {
     /// Publish every replayed message to this exchange (`""` is the default exchange) instead of
     /// its original one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 255))]
     pub exchange: Option<String>,
     /// Publish with this routing key instead of the message's original one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 255))]
     pub routing_key: Option<String>,
 }
 
@@ -130,7 +136,9 @@ pub struct TargetSpec {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct QuarantineSpec {
     /// The queue's name; declared durable if it does not exist. Quarantined messages keep their
-    /// body, properties and headers, plus `x-quarantine-reason` and `x-replay-id`.
+    /// body, properties and headers, plus `x-quarantine-reason` and `x-replay-id`. It must differ
+    /// from the source queue.
+    #[schemars(length(min = 1, max = 255))]
     pub queue: String,
 }
 
@@ -138,35 +146,57 @@ pub struct QuarantineSpec {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct SelectorSpec {
-    /// Take at most this many matching messages; the rest stay in the dead-letter queue.
+    /// Take at most this many matching messages (at least 1); the rest stay in the dead-letter
+    /// queue. Absent: no limit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
     pub limit: Option<u64>,
     /// Only messages whose most recent death has one of these reasons (`rejected`, `expired`,
     /// `maxlen`, `delivery_limit`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 4), transform = death_reason_items)]
     pub death_reasons: Vec<String>,
     /// Only messages that died in one of these queues (the `queue` of the most recent death).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64), inner(length(max = 255)))]
     pub original_queues: Vec<String>,
     /// Only messages that carry each of these headers with exactly this value.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub headers: BTreeMap<String, String>,
     /// Only messages whose JSON body matches each of these conditions.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 32))]
     pub payload: Vec<PayloadMatch>,
 }
+
+/// The reasons RabbitMQ records in `x-death`.
+pub const DEATH_REASONS: [&str; 4] = ["rejected", "expired", "maxlen", "delivery_limit"];
+
+/// `selector.deathReasons` takes only the reasons RabbitMQ records: a typo would select nothing.
+fn death_reason_items(schema: &mut schemars::Schema) {
+    if let Some(items) = schema.get_mut("items").and_then(|i| i.as_object_mut()) {
+        items.insert("enum".into(), serde_json::json!(DEATH_REASONS));
+    }
+}
+
+/// An RFC 6901 JSON pointer to a field (not the whole body): `/`, then `~0` for `~` and `~1` for
+/// `/` in a name. The pattern of every pointer field in the schema.
+pub const JSON_POINTER: &str = "^/([^~]|~[01])*$";
 
 /// A condition on one field of a JSON body.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PayloadMatch {
     /// An RFC 6901 JSON pointer into the body, e.g. `/show` or `/asset/id`.
+    #[schemars(length(max = 1024), regex(pattern = JSON_POINTER))]
     pub pointer: String,
     /// The field equals this value (a string field by its text, any other by its JSON form).
+    /// One of `equals` and `in` is required.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub equals: Option<String>,
-    /// The field equals one of these values.
+    /// The field equals one of these values (at least one).
     #[serde(default, rename = "in", skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1))]
     pub in_: Option<Vec<String>>,
 }
 
@@ -181,13 +211,16 @@ pub struct PoisonSpec {
     pub max_death_count: Option<u64>,
     /// JSON pointers that must be present in the body (which must then be JSON).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64), inner(length(max = 1024), regex(pattern = JSON_POINTER)))]
     pub required_fields: Vec<String>,
     /// JSON pointers whose value must be JSON: an object or array, or a string holding valid JSON.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64), inner(length(max = 1024), regex(pattern = JSON_POINTER)))]
     pub json_fields: Vec<String>,
     /// Stop before draining when more than this share (0 to 1) of the scanned messages is poison:
     /// the fix is probably not deployed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.0, max = 1.0))]
     pub max_quarantine_ratio: Option<f64>,
 }
 
@@ -214,11 +247,13 @@ pub struct IdempotencySpec {
     pub mode: IdempotencyMode,
     /// How a message's key is derived from its JSON body.
     pub key: KeySpec,
-    /// The value a worker writes under a key once the work is done.
+    /// The value a worker writes under a key once the work is done (not empty).
     #[serde(default = "default_done_value")]
+    #[schemars(length(min = 1))]
     pub done_value: String,
-    /// The expiry of the claims written in `Claim` mode, in seconds.
+    /// The expiry of the claims written in `Claim` mode, in seconds (at least 1).
     #[serde(default = "default_ttl_seconds")]
+    #[schemars(range(min = 1))]
     pub ttl_seconds: u64,
 }
 
@@ -235,8 +270,9 @@ fn default_ttl_seconds() -> u64 {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct KeySpec {
-    /// The body fields that identify the work, in order. A missing field takes its default; a
-    /// missing field without a default makes the message poison.
+    /// The body fields that identify the work, in order (1 to 32). A missing field takes its
+    /// default; a missing field without a default makes the message poison.
+    #[schemars(length(min = 1, max = 32))]
     pub fields: Vec<KeyField>,
     /// The prefix of every key.
     #[serde(default = "default_prefix")]
@@ -251,7 +287,8 @@ fn default_prefix() -> String {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct KeyField {
-    /// An RFC 6901 JSON pointer into the body.
+    /// An RFC 6901 JSON pointer into the body, e.g. `/asset/id`.
+    #[schemars(length(max = 1024), regex(pattern = JSON_POINTER))]
     pub pointer: String,
     /// The value used when the field is missing.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -270,10 +307,13 @@ pub struct AuditSpec {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RateSpec {
-    /// Sustained replay rate, in messages per second (at least 1).
+    /// Sustained replay rate, in messages per second (at least 1; omit `rate` for no limit).
+    #[schemars(range(min = 1))]
     pub messages_per_second: u32,
-    /// How many messages may go at once after an idle moment. Defaults to `messagesPerSecond`.
+    /// How many messages may go at once after an idle moment (at least 1). Defaults to a
+    /// twentieth of `messagesPerSecond`, at least 1, so no second sees much more than the rate.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
     pub burst: Option<u32>,
 }
 
@@ -288,13 +328,16 @@ pub struct CanarySpec {
     /// How long to watch for a canary's return, in seconds (5 to 1800). Make it longer than the
     /// consumer's retry chain.
     #[serde(default = "default_wait_seconds")]
+    #[schemars(range(min = 5, max = 1800))]
     pub wait_seconds: u64,
     /// The header whose value names a message's failure signature. Messages without it are
     /// grouped by the reason and queue of their most recent death.
     #[serde(default = "default_signature_header")]
+    #[schemars(length(min = 1, max = 255))]
     pub signature_header: String,
     /// Further queues where a returning canary may land (besides the source queue).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 64), inner(length(max = 255)))]
     pub watch_queues: Vec<String>,
     /// Pre-flight: require at least one consumer on the target's queue.
     #[serde(default = "default_true")]
@@ -302,18 +345,20 @@ pub struct CanarySpec {
     /// Pre-flight: the most messages the target's queue may hold before the replay starts.
     #[serde(default = "default_max_backlog")]
     pub max_backlog: u64,
-    /// With `idempotency.mode: Check`: a canary passes only when the worker marks its key done
-    /// within the wait.
+    /// With `idempotency.mode: Check` (required): a canary passes only when the worker marks its
+    /// key done within the wait.
     #[serde(default)]
     pub require_done: bool,
-    /// While draining, stop when more than this share of the replayed messages came back.
+    /// While draining, stop when more than this share (0 to 1) of the replayed messages came back.
     #[serde(default = "default_max_return_ratio")]
+    #[schemars(range(min = 0.0, max = 1.0))]
     pub max_return_ratio: f64,
     /// The most distinct failure signatures the queue may hold (1 to 1000). Each gets a canary
     /// and a line in the status; a header holding per-message text (an error message with ids in
     /// it) would make every message its own canary, so more than this fails the replay before
     /// anything is touched: choose a coarser `signatureHeader` or raise the limit.
     #[serde(default = "default_max_signatures")]
+    #[schemars(range(min = 1, max = 1000))]
     pub max_signatures: u32,
 }
 
@@ -526,38 +571,202 @@ const IMMUTABLE_OPTIONAL: [&str; 8] = [
     "dryRun",
 ];
 
-/// The CRD: the generated schema plus the CEL rule that makes the spec immutable except
-/// `suspend`.
+/// The URL schemes of the broker.
+pub const AMQP_SCHEMES: [&str; 2] = ["amqp", "amqps"];
+/// The URL schemes of Redis.
+pub const REDIS_SCHEMES: [&str; 2] = ["redis", "rediss"];
+
+/// One CEL rule of the CRD (an entry of `x-kubernetes-validations`).
+///
+/// [`rules`] is the one list of the checks a schema keyword cannot express (cross-field rules,
+/// URLs, immutability). [`crd`] puts each on its schema node, so `kubectl apply` refuses a spec
+/// that breaks one, and the command line (`manifest::validate_spec`) evaluates the same rules
+/// from that same schema: they are written here only.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rule {
+    /// The schema node the rule sits on and `self` is bound to: `spec`, `spec.broker`, ...;
+    /// `name[]` stands for each item of the list `name` (`spec.selector.payload[]`).
+    pub at: &'static str,
+    /// The CEL expression: true when the value is valid. A rule that reads `oldSelf` is a
+    /// transition rule, evaluated only on updates.
+    pub rule: String,
+    /// The field an error names, relative to `at` (`.url`); `None`: `at` itself.
+    pub field_path: Option<String>,
+    /// What the error says about that field.
+    pub message: String,
+    /// The error's reason: `FieldValueForbidden` for the immutable fields; `None` means
+    /// `FieldValueInvalid`.
+    pub reason: Option<&'static str>,
+}
+
+impl Rule {
+    fn new(at: &'static str, rule: &str, field_path: Option<&str>, message: &str) -> Self {
+        Self {
+            at,
+            rule: rule.into(),
+            field_path: field_path.map(str::to_string),
+            message: message.into(),
+            reason: None,
+        }
+    }
+
+    /// The field an error of this rule names, e.g. `spec.broker.url` (`[*]` for a list item).
+    pub fn field(&self) -> String {
+        format!(
+            "{}{}",
+            self.at.replace("[]", "[*]"),
+            self.field_path.as_deref().unwrap_or("")
+        )
+    }
+
+    /// Whether the rule compares with the stored object (`oldSelf`): evaluated on updates only.
+    pub fn is_transition(&self) -> bool {
+        self.rule.contains("oldSelf")
+    }
+}
+
+/// The rule a connection's inline `url` must pass, as a CEL expression on `self.url` (true when
+/// `url` is absent), with its message: a URL (Kubernetes' `isURL`) with one of `schemes`, a host,
+/// and a port up to 65535. The message never repeats the URL (it may hold a password).
+pub fn url_rule(schemes: &[&str]) -> (String, String) {
+    let list = schemes
+        .iter()
+        .map(|s| format!("'{s}'"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let u = "url(self.url)";
+    let rule = format!(
+        "!has(self.url) || (isURL(self.url) && {u}.getScheme() in [{list}] && {u}.getHostname() != '' && ({u}.getPort() == '' || int({u}.getPort()) <= 65535))"
+    );
+    let message = format!(
+        "must be a URL with scheme {} and a host (port at most 65535), e.g. {}://user:pass@host:port/...",
+        schemes.join(" or "),
+        schemes[0]
+    );
+    (rule, message)
+}
+
+/// Every CEL rule of the CRD. The bounds of single fields (at least 1, 5 to 1800, not empty, a
+/// JSON pointer, ...) are schema keywords on the fields above (`#[schemars(...)]`); these are
+/// the rest.
+pub fn rules() -> Vec<Rule> {
+    let mut rules = vec![
+        Rule::new(
+            "spec",
+            "self.quarantine.queue != self.source.queue",
+            Some(".quarantine.queue"),
+            "must differ from spec.source.queue",
+        ),
+        Rule::new(
+            "spec",
+            "!has(self.canary) || !has(self.canary.requireDone) || !self.canary.requireDone || (has(self.idempotency) && (!has(self.idempotency.mode) || self.idempotency.mode == 'Check'))",
+            Some(".canary.requireDone"),
+            "needs spec.idempotency.mode: Check",
+        ),
+        // `in` is a CEL keyword: Kubernetes escapes the field's name to `__in__`.
+        Rule::new(
+            "spec.selector.payload[]",
+            "has(self.equals) || has(self.__in__)",
+            None,
+            "needs `equals` or `in`",
+        ),
+    ];
+    for (at, schemes) in [
+        ("spec.broker", &AMQP_SCHEMES),
+        ("spec.idempotency.redis", &REDIS_SCHEMES),
+        ("spec.audit.redis", &REDIS_SCHEMES),
+    ] {
+        rules.push(Rule::new(
+            at,
+            "!has(self.url) || !has(self.urlSecretRef)",
+            None,
+            "give either url or urlSecretRef, not both",
+        ));
+        let (rule, message) = url_rule(schemes);
+        rules.push(Rule {
+            at,
+            rule,
+            field_path: Some(".url".into()),
+            message,
+            reason: None,
+        });
+    }
+    let immutable = |field: &str, rule: String| {
+        Rule {
+        at: "spec",
+        rule,
+        field_path: Some(format!(".{field}")),
+        message: "is immutable: the spec of a DlqReplay is fixed except spec.suspend; create a new replay instead".into(),
+        reason: Some("FieldValueForbidden"),
+    }
+    };
+    for f in IMMUTABLE_REQUIRED {
+        rules.push(immutable(f, format!("self.{f} == oldSelf.{f}")));
+    }
+    for f in IMMUTABLE_OPTIONAL {
+        rules.push(immutable(
+            f,
+            format!(
+                "has(self.{f}) == has(oldSelf.{f}) && (!has(self.{f}) || self.{f} == oldSelf.{f})"
+            ),
+        ));
+    }
+    rules
+}
+
+/// The CRD: the schema the types derive (with the bounds of their fields), plus the CEL rules
+/// of [`rules`] on their nodes.
 pub fn crd(
 ) -> k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition {
     use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::ValidationRule;
     use kube::CustomResourceExt;
     let mut crd = DlqReplay::crd();
-    let rule = IMMUTABLE_REQUIRED
-        .iter()
-        .map(|f| format!("self.{f} == oldSelf.{f}"))
-        .chain(IMMUTABLE_OPTIONAL.iter().map(|f| {
-            format!(
-                "has(self.{f}) == has(oldSelf.{f}) && (!has(self.{f}) || self.{f} == oldSelf.{f})"
-            )
-        }))
-        .collect::<Vec<_>>()
-        .join(" && ");
+    let rules = rules();
     for version in &mut crd.spec.versions {
-        let spec = version
+        let Some(root) = version
             .schema
             .as_mut()
             .and_then(|s| s.open_api_v3_schema.as_mut())
-            .and_then(|s| s.properties.as_mut())
-            .and_then(|p| p.get_mut("spec"));
-        if let Some(spec) = spec {
-            spec.x_kubernetes_validations = Some(vec![ValidationRule {
-                rule: rule.clone(),
-                message: Some("the spec of a DlqReplay is immutable except spec.suspend; create a new replay instead".into()),
-                reason: Some("FieldValueForbidden".into()),
-                ..Default::default()
-            }]);
+        else {
+            continue;
+        };
+        for r in &rules {
+            let node = schema_node(root, r.at)
+                .unwrap_or_else(|| panic!("api::rules(): no schema node {}", r.at));
+            node.x_kubernetes_validations
+                .get_or_insert_with(Vec::new)
+                .push(ValidationRule {
+                    rule: r.rule.clone(),
+                    message: Some(r.message.clone()),
+                    reason: r.reason.map(str::to_string),
+                    field_path: r.field_path.clone(),
+                    ..Default::default()
+                });
         }
     }
     crd
+}
+
+/// The schema node at `at` (see [`Rule::at`]).
+fn schema_node<'a>(
+    root: &'a mut k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::JSONSchemaProps,
+    at: &str,
+) -> Option<
+    &'a mut k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::JSONSchemaProps,
+> {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::JSONSchemaPropsOrArray;
+    at.split('.').try_fold(root, |node, segment| {
+        let (name, each) = match segment.strip_suffix("[]") {
+            Some(name) => (name, true),
+            None => (segment, false),
+        };
+        let child = node.properties.as_mut()?.get_mut(name)?;
+        if !each {
+            return Some(child);
+        }
+        match child.items.as_mut()? {
+            JSONSchemaPropsOrArray::Schema(item) => Some(&mut **item),
+            JSONSchemaPropsOrArray::Schemas(_) => None,
+        }
+    })
 }

@@ -2,11 +2,17 @@
 //!
 //! Every error names the field it is about (`spec.rate.messagesPerSecond: ...`), because the
 //! person reading it is holding a YAML file, not our Rust types.
+//!
+//! The rules are the CRD's: [`validate_spec`] checks a spec against the schema and CEL rules of
+//! [`crate::api::crd`] (see [`structural`]), so the command line, the operator and
+//! `kubectl apply` refuse the same specs for the same reasons.
 
-use crate::api::{ConnectionSpec, DlqReplay, DlqReplaySpec, API_VERSION, KIND};
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
-    JSONSchemaProps, JSONSchemaPropsOrArray, JSONSchemaPropsOrBool,
-};
+pub mod structural;
+
+use std::sync::LazyLock;
+
+use crate::api::{DlqReplay, DlqReplaySpec, API_VERSION, KIND};
+use structural::CrdSchema;
 
 /// A manifest that cannot be replayed, with the path of every offending field.
 #[derive(Debug, thiserror::Error)]
@@ -49,7 +55,7 @@ pub fn parse(text: &str) -> Result<DlqReplay, ManifestError> {
     let value: serde_json::Value =
         serde_yaml::from_str(text).map_err(|e| ManifestError::Yaml(e.to_string()))?;
     check_envelope(&value)?;
-    check_no_list_for_map(&value, &schema(), "")?;
+    check_no_list_for_map(&value, crd_schema().schema(), "")?;
     let mut urls = Vec::new();
     urls_with_userinfo(&value, &mut urls);
     let replay: DlqReplay = serde_path_to_error::deserialize(value).map_err(|e| {
@@ -98,31 +104,28 @@ fn urls_with_userinfo(value: &serde_json::Value, out: &mut Vec<String>) {
     }
 }
 
-/// The resource's structural schema, as the API server sees it.
-fn schema() -> JSONSchemaProps {
-    let crd = <crate::api::DlqReplay as kube::CustomResourceExt>::crd();
-    crd.spec
-        .versions
-        .into_iter()
-        .next()
-        .and_then(|v| v.schema)
-        .and_then(|s| s.open_api_v3_schema)
-        .unwrap_or_default()
+/// The CRD's structural schema (what `kubectl apply` is checked against), compiled once.
+pub fn crd_schema() -> &'static CrdSchema {
+    static SCHEMA: LazyLock<CrdSchema> = LazyLock::new(|| {
+        CrdSchema::new(&crate::api::crd(), "v1alpha1")
+            .unwrap_or_else(|e| panic!("api::crd() has a broken schema: {e}"))
+    });
+    &SCHEMA
 }
 
 /// serde lets a struct be written as the list of its fields in order (`source: [media.dlq]`);
 /// the API server does not, so neither do we: a list where the schema has an object is refused.
 fn check_no_list_for_map(
     value: &serde_json::Value,
-    schema: &JSONSchemaProps,
+    schema: &serde_json::Value,
     path: &str,
 ) -> Result<(), ManifestError> {
     match value {
         serde_json::Value::Array(items) => {
-            if schema.type_.as_deref() == Some("object") {
+            if schema.get("type").and_then(|t| t.as_str()) == Some("object") {
                 return Err(field(path, "invalid type: sequence, expected a map"));
             }
-            if let Some(JSONSchemaPropsOrArray::Schema(item)) = &schema.items {
+            if let Some(item) = schema.get("items").filter(|i| i.is_object()) {
                 for (i, v) in items.iter().enumerate() {
                     check_no_list_for_map(v, item, &format!("{path}[{i}]"))?;
                 }
@@ -130,11 +133,8 @@ fn check_no_list_for_map(
         }
         serde_json::Value::Object(map) => {
             for (k, v) in map {
-                let sub = schema.properties.as_ref().and_then(|p| p.get(k));
-                let sub = sub.or(match &schema.additional_properties {
-                    Some(JSONSchemaPropsOrBool::Schema(s)) => Some(&**s),
-                    _ => None,
-                });
+                let sub = schema.get("properties").and_then(|p| p.get(k));
+                let sub = sub.or(schema.get("additionalProperties").filter(|a| a.is_object()));
                 if let Some(sub) = sub {
                     let p = if path.is_empty() {
                         k.clone()
@@ -177,191 +177,42 @@ fn check_envelope(value: &serde_json::Value) -> Result<(), ManifestError> {
     }
 }
 
-/// The semantic checks serde cannot express. Returns every problem, not just the first.
+/// The checks serde cannot express: the CRD's schema (bounds, patterns, enums, required fields)
+/// and its CEL rules (cross-field rules, URLs), exactly as the API server applies them to a new
+/// object (see [`crate::api::rules`]). Returns every problem, not just the first; the messages
+/// never repeat a URL (it may hold a password).
 pub fn validate_spec(spec: &DlqReplaySpec) -> Vec<FieldError> {
-    let mut errors = Vec::new();
-    check_connection(&mut errors, "spec.broker", &spec.broker, &["amqp", "amqps"]);
-    if spec.source.queue.is_empty() {
-        errors.push(err("spec.source.queue", "must not be empty"));
-    }
-    if spec.quarantine.queue.is_empty() {
-        errors.push(err("spec.quarantine.queue", "must not be empty"));
-    }
-    if spec.quarantine.queue == spec.source.queue {
-        errors.push(err(
-            "spec.quarantine.queue",
-            "must differ from spec.source.queue",
-        ));
-    }
-    if spec.selector.limit == Some(0) {
-        errors.push(err(
-            "spec.selector.limit",
-            "must be at least 1 (omit it for no limit)",
-        ));
-    }
-    for (i, m) in spec.selector.payload.iter().enumerate() {
-        let path = format!("spec.selector.payload[{i}]");
-        check_pointer(&mut errors, &format!("{path}.pointer"), &m.pointer);
-        if m.equals.is_none() && m.in_.is_none() {
-            errors.push(err(&path, "needs `equals` or `in`"));
-        }
-        if m.in_.as_ref().is_some_and(Vec::is_empty) {
-            errors.push(err(&format!("{path}.in"), "must not be empty"));
-        }
-    }
-    for (i, p) in spec.poison.required_fields.iter().enumerate() {
-        check_pointer(&mut errors, &format!("spec.poison.requiredFields[{i}]"), p);
-    }
-    for (i, p) in spec.poison.json_fields.iter().enumerate() {
-        check_pointer(&mut errors, &format!("spec.poison.jsonFields[{i}]"), p);
-    }
-    if let Some(r) = spec.poison.max_quarantine_ratio {
-        if !(0.0..=1.0).contains(&r) {
-            errors.push(err(
-                "spec.poison.maxQuarantineRatio",
-                "must be between 0 and 1",
-            ));
-        }
-    }
-    if let Some(idem) = &spec.idempotency {
-        if let Some(redis) = &idem.redis {
-            check_connection(
-                &mut errors,
-                "spec.idempotency.redis",
-                redis,
-                &["redis", "rediss"],
-            );
-        }
-        if idem.key.fields.is_empty() {
-            errors.push(err(
-                "spec.idempotency.key.fields",
-                "needs at least one field",
-            ));
-        }
-        for (i, f) in idem.key.fields.iter().enumerate() {
-            check_pointer(
-                &mut errors,
-                &format!("spec.idempotency.key.fields[{i}].pointer"),
-                &f.pointer,
-            );
-        }
-        if idem.done_value.is_empty() {
-            errors.push(err("spec.idempotency.doneValue", "must not be empty"));
-        }
-        if idem.ttl_seconds == 0 {
-            errors.push(err("spec.idempotency.ttlSeconds", "must be at least 1"));
-        }
-    }
-    if let Some(audit) = &spec.audit {
-        check_connection(
-            &mut errors,
-            "spec.audit.redis",
-            &audit.redis,
-            &["redis", "rediss"],
-        );
-    }
-    if let Some(rate) = &spec.rate {
-        if rate.messages_per_second == 0 {
-            errors.push(err(
-                "spec.rate.messagesPerSecond",
-                "must be at least 1 (omit spec.rate for no limit)",
-            ));
-        }
-        if rate.burst == Some(0) {
-            errors.push(err("spec.rate.burst", "must be at least 1"));
-        }
-    }
-    let canary = &spec.canary;
-    if !(5..=1800).contains(&canary.wait_seconds) {
-        errors.push(err("spec.canary.waitSeconds", "must be between 5 and 1800"));
-    }
-    if !(0.0..=1.0).contains(&canary.max_return_ratio) {
-        errors.push(err("spec.canary.maxReturnRatio", "must be between 0 and 1"));
-    }
-    if !(1..=1000).contains(&canary.max_signatures) {
-        errors.push(err(
-            "spec.canary.maxSignatures",
-            "must be between 1 and 1000",
-        ));
-    }
-    if canary.signature_header.is_empty() {
-        errors.push(err("spec.canary.signatureHeader", "must not be empty"));
-    }
-    if canary.require_done
-        && spec.idempotency.as_ref().map(|i| i.mode) != Some(crate::api::IdempotencyMode::Check)
-    {
-        errors.push(err(
-            "spec.canary.requireDone",
-            "needs spec.idempotency.mode: Check",
-        ));
-    }
-    errors
+    let spec = match serde_json::to_value(spec) {
+        Ok(v) => v,
+        Err(e) => return vec![err("spec", &e.to_string())],
+    };
+    let obj = serde_json::json!({
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": "manifest"},
+        "spec": spec,
+    });
+    crd_schema()
+        .validate(&obj, None)
+        .into_iter()
+        .map(|v| FieldError {
+            path: v.field,
+            message: v.message,
+        })
+        .collect()
 }
 
-fn check_connection(
-    errors: &mut Vec<FieldError>,
-    path: &str,
-    c: &ConnectionSpec,
-    schemes: &[&str],
-) {
-    match (&c.url, &c.url_secret_ref) {
-        (Some(_), Some(_)) => errors.push(err(path, "give either url or urlSecretRef, not both")),
-        (Some(u), None) => {
-            if let Err(message) = check_url(u, schemes) {
-                errors.push(err(&format!("{path}.url"), &message));
-            }
-        }
-        (None, Some(s)) => {
-            if s.name.is_empty() {
-                errors.push(err(
-                    &format!("{path}.urlSecretRef.name"),
-                    "must not be empty",
-                ));
-            }
-            if s.key.is_empty() {
-                errors.push(err(
-                    &format!("{path}.urlSecretRef.key"),
-                    "must not be empty",
-                ));
-            }
-        }
-        (None, None) => {}
-    }
-}
-
-/// Check a URL's scheme and shape; the message never repeats the URL (it may hold a password).
+/// Check a URL given outside the manifest (`--amqp-url`, a Secret's value) by the same rule as
+/// an inline `url` of the spec ([`crate::api::url_rule`]); the message never repeats the URL
+/// (it may hold a password).
 pub fn check_url(u: &str, schemes: &[&str]) -> Result<(), String> {
-    let parsed = url::Url::parse(u).map_err(|e| format!("not a valid URL ({e})"))?;
-    if !schemes.contains(&parsed.scheme()) {
-        return Err(format!(
-            "scheme must be one of {}, not {}",
-            schemes.join(", "),
-            parsed.scheme()
-        ));
+    let (rule, message) = crate::api::url_rule(schemes);
+    let schema = serde_json::json!({"type": "object", "properties": {"url": {"type": "string"}}});
+    match structural::eval_rule(&rule, &schema, &serde_json::json!({ "url": u })) {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(message),
+        Err(e) => Err(format!("cannot check the URL: {e}")),
     }
-    if parsed.host_str().unwrap_or("").is_empty() {
-        return Err("has no host".into());
-    }
-    Ok(())
-}
-
-fn check_pointer(errors: &mut Vec<FieldError>, path: &str, pointer: &str) {
-    if !pointer.starts_with('/') {
-        errors.push(err(
-            path,
-            "must be a JSON pointer starting with '/' (RFC 6901)",
-        ));
-    } else if has_bad_escape(pointer) {
-        errors.push(err(path, "has '~' not followed by 0 or 1 (RFC 6901)"));
-    }
-}
-
-fn has_bad_escape(pointer: &str) -> bool {
-    let bytes = pointer.as_bytes();
-    bytes
-        .iter()
-        .enumerate()
-        .any(|(i, b)| *b == b'~' && !matches!(bytes.get(i + 1), Some(b'0') | Some(b'1')))
 }
 
 fn err(path: &str, message: &str) -> FieldError {

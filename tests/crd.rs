@@ -2,13 +2,14 @@
 //! `kubectl get` and `kubectl explain` need.
 //!
 //! `make crd` writes `dlq_replay::api::crd()`: the schema `kube::CustomResourceExt::crd()`
-//! derives from `DlqReplay`, plus a CEL rule on `spec` that keeps the spec immutable except
-//! `suspend`. The drift test compares the committed file to that; a second test checks that
-//! `api::crd()` adds nothing but the rule to the derived CRD.
+//! derives from `DlqReplay` (with the bounds of its fields: `#[schemars(...)]` in `src/api.rs`),
+//! plus the CEL rules of `api::rules()` on their nodes (cross-field rules, URLs, and the
+//! immutability of every spec field but `suspend`). The drift test compares the committed file
+//! to that; a second test checks that `api::crd()` adds nothing but the rules to the derived CRD.
 
 use dlq_replay::api::{self, DlqReplay};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
-    CustomResourceDefinition, JSONSchemaProps,
+    CustomResourceDefinition, JSONSchemaProps, JSONSchemaPropsOrArray, JSONSchemaPropsOrBool,
 };
 use kube::CustomResourceExt;
 use serde_yaml::Value;
@@ -94,47 +95,189 @@ fn committed_crd_matches_the_types() {
     }
 }
 
+/// Removes every `x-kubernetes-validations` of the schema; true if there were any.
+fn strip_rules(s: &mut JSONSchemaProps) -> bool {
+    let mut had = s.x_kubernetes_validations.take().is_some();
+    for p in s.properties.iter_mut().flat_map(|p| p.values_mut()) {
+        had |= strip_rules(p);
+    }
+    if let Some(JSONSchemaPropsOrArray::Schema(item)) = &mut s.items {
+        had |= strip_rules(item);
+    }
+    if let Some(JSONSchemaPropsOrBool::Schema(add)) = &mut s.additional_properties {
+        had |= strip_rules(add);
+    }
+    had
+}
+
 #[test]
-fn generated_crd_is_the_derived_one_plus_the_immutability_rule() {
+fn generated_crd_is_the_derived_one_plus_the_cel_rules() {
     let derived = DlqReplay::crd();
-    let mut with_rule = generated();
-    for v in &mut with_rule.spec.versions {
-        let spec = v
+    let mut without_rules = generated();
+    for v in &mut without_rules.spec.versions {
+        let root = v
             .schema
             .as_mut()
             .and_then(|s| s.open_api_v3_schema.as_mut())
-            .and_then(|s| s.properties.as_mut())
-            .and_then(|p| p.get_mut("spec"))
-            .expect("openAPIV3Schema.properties.spec");
-        assert!(
-            spec.x_kubernetes_validations.take().is_some(),
-            "no CEL rule on spec"
-        );
+            .expect("openAPIV3Schema");
+        assert!(strip_rules(root), "no CEL rules in the CRD");
     }
-    let a = serde_yaml::to_value(&with_rule).unwrap();
+    let a = serde_yaml::to_value(&without_rules).unwrap();
     let b = serde_yaml::to_value(&derived).unwrap();
     assert!(
         a == b,
-        "api::crd() changes more than spec's x-kubernetes-validations (first difference at {})",
+        "api::crd() changes more than x-kubernetes-validations (first difference at {})",
         first_difference("", &a, &b).unwrap_or_default()
     );
 }
 
+/// The schema node at a rule's `at` (`spec.selector.payload[]`).
+fn node<'a>(root: &'a JSONSchemaProps, at: &str) -> &'a JSONSchemaProps {
+    at.split('.').fold(root, |n, seg| {
+        let (name, each) = match seg.strip_suffix("[]") {
+            Some(name) => (name, true),
+            None => (seg, false),
+        };
+        let child = n
+            .properties
+            .as_ref()
+            .and_then(|p| p.get(name))
+            .unwrap_or_else(|| panic!("no schema node {at}"));
+        match (&child.items, each) {
+            (Some(JSONSchemaPropsOrArray::Schema(item)), true) => item,
+            (_, true) => panic!("{at}: not a list"),
+            (_, false) => child,
+        }
+    })
+}
+
+fn root(crd: &CustomResourceDefinition) -> &JSONSchemaProps {
+    crd.spec.versions[0]
+        .schema
+        .as_ref()
+        .and_then(|s| s.open_api_v3_schema.as_ref())
+        .expect("openAPIV3Schema")
+}
+
 #[test]
-fn immutability_rule_covers_every_spec_field_but_suspend() {
+fn every_rule_sits_on_its_node() {
+    let crd = generated();
+    let mut count = 0;
+    for r in api::rules() {
+        let n = node(root(&crd), r.at);
+        let found = n.x_kubernetes_validations.iter().flatten().any(|v| {
+            v.rule == r.rule
+                && v.field_path == r.field_path
+                && v.message.as_deref() == Some(r.message.as_str())
+        });
+        assert!(found, "rule {:?} is not on {}", r.rule, r.at);
+        // kube-apiserver: a message has no line breaks.
+        assert!(!r.message.contains('\n'), "{:?}", r.message);
+        count += 1;
+    }
+    let on_nodes = count_rules(root(&crd));
+    assert_eq!(
+        count, on_nodes,
+        "rules in the CRD that api::rules() does not list"
+    );
+}
+
+fn count_rules(s: &JSONSchemaProps) -> usize {
+    let mut n = s.x_kubernetes_validations.as_ref().map_or(0, Vec::len);
+    for p in s.properties.iter().flat_map(|p| p.values()) {
+        n += count_rules(p);
+    }
+    if let Some(JSONSchemaPropsOrArray::Schema(item)) = &s.items {
+        n += count_rules(item);
+    }
+    n
+}
+
+/// Kubernetes estimates the cost of every rule before it accepts a CRD: a string a rule reads
+/// needs a `maxLength`, a list whose items carry rules a `maxItems`, or the estimate assumes the
+/// 3 MiB request limit. Ours are bounded.
+#[test]
+fn what_the_cel_rules_read_is_bounded() {
+    let crd = generated();
+    for r in api::rules() {
+        // The lists on the way to the rule's node.
+        let mut path = String::new();
+        for seg in r.at.split('.') {
+            path = if path.is_empty() {
+                seg.to_string()
+            } else {
+                format!("{path}.{seg}")
+            };
+            if let Some(list) = path.strip_suffix("[]") {
+                let n = node(root(&crd), list);
+                assert!(
+                    n.max_items.is_some(),
+                    "{list} carries rule {:?} but has no maxItems",
+                    r.rule
+                );
+            }
+        }
+        // The strings the rule reads: `self.a.b` that are strings in the schema.
+        let n = node(root(&crd), r.at);
+        for (start, _) in r.rule.match_indices("self.") {
+            if r.rule[..start].ends_with("has(") {
+                continue; // a presence test reads nothing
+            }
+            let rest = &r.rule[start + "self.".len()..];
+            let end = rest
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '.' || c == '_'))
+                .unwrap_or(rest.len());
+            let mut target = n;
+            for name in rest[..end].split('.') {
+                match target.properties.as_ref().and_then(|p| p.get(name)) {
+                    Some(child) => target = child,
+                    None => break,
+                }
+            }
+            if target.type_.as_deref() == Some("string") {
+                assert!(
+                    target.max_length.is_some() || target.enum_.is_some(),
+                    "rule {:?} reads self.{} (a string without maxLength)",
+                    r.rule,
+                    &rest[..end]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn the_cel_rules_compile() {
+    let crd = generated();
+    dlq_replay::manifest::structural::CrdSchema::new(&crd, "v1alpha1")
+        .unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[test]
+fn immutability_rules_cover_every_spec_field_but_suspend() {
     let crd = generated();
     let spec = spec_schema(&crd);
     let rules = spec.x_kubernetes_validations.as_ref().expect("CEL rules");
-    assert_eq!(rules.len(), 1);
-    let rule = &rules[0].rule;
     for field in spec.properties.as_ref().expect("spec properties").keys() {
-        let mentioned = rule.contains(&format!("self.{field} == oldSelf.{field}"));
+        let rule = rules.iter().find(|r| {
+            r.rule.contains("oldSelf") && r.field_path.as_deref() == Some(&format!(".{field}"))
+        });
         if field == "suspend" {
-            assert!(!mentioned, "spec.suspend must stay mutable: {rule}");
-        } else {
-            assert!(mentioned, "spec.{field} is not kept immutable: {rule}");
+            assert!(rule.is_none(), "spec.suspend must stay mutable: {rule:?}");
+            continue;
         }
+        let rule = rule.unwrap_or_else(|| panic!("spec.{field} is not kept immutable"));
+        assert!(
+            rule.rule
+                .contains(&format!("self.{field} == oldSelf.{field}")),
+            "{rule:?}"
+        );
+        assert_eq!(rule.reason.as_deref(), Some("FieldValueForbidden"));
     }
+    assert!(
+        rules.iter().all(|r| !r.rule.contains("suspend")),
+        "a rule reads spec.suspend"
+    );
 }
 
 #[test]
@@ -204,5 +347,23 @@ fn crd_describes_the_canary_for_kubectl_explain() {
     assert!(
         !description.trim().is_empty(),
         "spec.canary has no description; `kubectl explain dlqreplay.spec.canary` would print none"
+    );
+}
+
+/// `kubectl explain dlqreplay.spec.rate.burst` says what the engine does: a twentieth of the
+/// rate, at least 1 (`engine::limiter`).
+#[test]
+fn crd_describes_the_default_burst_as_the_engine_uses_it() {
+    let crd = generated();
+    let burst = node(root(&crd), "spec.rate.burst");
+    let description = burst.description.as_deref().unwrap_or("");
+    assert!(
+        description.contains("twentieth of `messagesPerSecond`")
+            && description.contains("at least 1"),
+        "{description}"
+    );
+    assert!(
+        !description.contains("Defaults to `messagesPerSecond`"),
+        "{description}"
     );
 }

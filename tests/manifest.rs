@@ -3,8 +3,14 @@
 //! Every case starts from one valid base manifest and changes one thing, by replacing one
 //! snippet of its text. The replaced snippet must occur exactly once in the base, so a case can
 //! never silently test the base manifest itself.
+//!
+//! The rules are the CRD's (`api::crd()`: schema keywords and CEL rules): the API server,
+//! given the same manifest, refuses it naming the same field. That is checked here through the
+//! engine the fake API server uses, against the committed `crds/dlqreplay.yaml`.
 
 use dlq_replay::manifest;
+use dlq_replay::manifest::structural::CrdSchema;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 
 /// A valid manifest that exercises every section the cases below mutate.
 const BASE: &str = r#"apiVersion: replay.dlq.dev/v1alpha1
@@ -66,11 +72,25 @@ fn without(snippet: &str) -> String {
 
 /// One malformed manifest: its name, its text, and what the error must contain. `expected` is
 /// the offending field's path followed by `:` (how every error names its field), plus, for
-/// unknown and missing fields, the field's name.
+/// unknown and missing fields, the field's name. `server` is what the API server does with the
+/// same manifest (see [`ApiServer`]).
 struct Case {
     name: &'static str,
     yaml: String,
     expected: &'static str,
+    server: ApiServer,
+}
+
+/// What kube-apiserver does with a case's manifest.
+enum ApiServer {
+    /// Refuses it (422) naming the field of `expected` (the path before its `:`).
+    RefusesTheSameField,
+    /// Refuses it naming this field (a missing field is `Required value` at its own path).
+    Refuses(&'static str),
+    /// Does not see it as the CLI does: unknown fields are pruned (or refused with 400 under
+    /// `fieldValidation=Strict`), the envelope and metadata are not the schema's, and YAML's
+    /// `.nan` has no JSON form to send.
+    NotApplicable,
 }
 
 fn case(name: &'static str, yaml: String, expected: &'static str) -> Case {
@@ -78,6 +98,13 @@ fn case(name: &'static str, yaml: String, expected: &'static str) -> Case {
         name,
         yaml,
         expected,
+        server: ApiServer::RefusesTheSameField,
+    }
+}
+
+impl Case {
+    fn server(self, server: ApiServer) -> Case {
+        Case { server, ..self }
     }
 }
 
@@ -88,22 +115,27 @@ fn cases() -> Vec<Case> {
             "unknown top-level field",
             with("kind: DlqReplay\n", "kind: DlqReplay\nextra: 1\n"),
             "extra: unknown field",
-        ),
+        )
+        .server(ApiServer::NotApplicable),
         case(
             "unknown field in spec",
             with("  rate:\n", "  dryrun: true\n  rate:\n"),
             "spec.dryrun: unknown field `dryrun`",
-        ),
+        )
+        .server(ApiServer::NotApplicable),
         case(
             "unknown nested field spec.selector.limt",
             with("    limit: 100\n", "    limt: 100\n"),
             "spec.selector.limt: unknown field `limt`",
-        ),
+        )
+        .server(ApiServer::NotApplicable),
         case(
             "unknown field in an idempotency key field",
             with("        - pointer: /asset/id\n", "        - pointr: /asset/id\n"),
             "spec.idempotency.key.fields[0].pointr: unknown field `pointr`",
-        ),
+        )
+        // Pruned, and then `pointer` is missing.
+        .server(ApiServer::Refuses("spec.idempotency.key.fields[0].pointer")),
         // --- wrong types
         case(
             "string for a number (rate)",
@@ -143,34 +175,40 @@ fn cases() -> Vec<Case> {
             "missing spec.source",
             without("  source:\n    queue: media.dlq\n"),
             "spec: missing field `source`",
-        ),
+        )
+        .server(ApiServer::Refuses("spec.source")),
         case(
             "missing spec.source.queue",
             with("  source:\n    queue: media.dlq\n", "  source: {}\n"),
             "spec.source: missing field `queue`",
-        ),
+        )
+        .server(ApiServer::Refuses("spec.source.queue")),
         case(
             "missing spec.quarantine",
             without("  quarantine:\n    queue: media.quarantine\n"),
             "spec: missing field `quarantine`",
-        ),
+        )
+        .server(ApiServer::Refuses("spec.quarantine")),
         case(
             "missing spec.idempotency.key",
             without(
                 "    key:\n      fields:\n        - pointer: /asset/id\n        - pointer: /show\n          default: none\n",
             ),
             "spec.idempotency: missing field `key`",
-        ),
+        )
+        .server(ApiServer::Refuses("spec.idempotency.key")),
         case(
             "missing metadata.name",
             without("  name: media-replay\n"),
             "metadata.name:",
-        ),
+        )
+        .server(ApiServer::NotApplicable),
         case(
             "empty metadata.name",
             with("  name: media-replay\n", "  name: \"\"\n"),
             "metadata.name:",
-        ),
+        )
+        .server(ApiServer::NotApplicable),
         case(
             "empty spec.source.queue",
             with("    queue: media.dlq\n", "    queue: \"\"\n"),
@@ -221,7 +259,8 @@ fn cases() -> Vec<Case> {
             "canary.maxReturnRatio NaN",
             with("maxReturnRatio: 0.05", "maxReturnRatio: .nan"),
             "spec.canary.maxReturnRatio:",
-        ),
+        )
+        .server(ApiServer::NotApplicable),
         case(
             "negative poison.maxQuarantineRatio",
             with("    maxDeathCount: 5\n", "    maxDeathCount: 5\n    maxQuarantineRatio: -0.1\n"),
@@ -328,6 +367,30 @@ fn cases() -> Vec<Case> {
             ),
             "spec.broker.urlSecretRef.key:",
         ),
+        case(
+            "audit.redis with both url and urlSecretRef",
+            with(
+                "  rate:\n",
+                "  audit:\n    redis: {url: \"redis://127.0.0.1:6379/1\", urlSecretRef: {name: redis, key: url}}\n  rate:\n",
+            ),
+            "spec.audit.redis:",
+        ),
+        case(
+            "audit.redis.url with scheme amqp://",
+            with(
+                "  rate:\n",
+                "  audit:\n    redis: {url: \"amqp://127.0.0.1:6379/1\"}\n  rate:\n",
+            ),
+            "spec.audit.redis.url:",
+        ),
+        case(
+            "broker.urlSecretRef with an empty name",
+            with(
+                "    url: amqp://guest:guest@127.0.0.1:5672/%2f\n",
+                "    urlSecretRef: {name: \"\", key: url}\n",
+            ),
+            "spec.broker.urlSecretRef.name:",
+        ),
         // --- envelope
         case(
             "wrong apiVersion",
@@ -336,17 +399,20 @@ fn cases() -> Vec<Case> {
                 "apiVersion: replay.dlq.dev/v1",
             ),
             "apiVersion:",
-        ),
+        )
+        .server(ApiServer::NotApplicable),
         case(
             "missing apiVersion",
             without("apiVersion: replay.dlq.dev/v1alpha1\n"),
             "apiVersion:",
-        ),
+        )
+        .server(ApiServer::NotApplicable),
         case(
             "wrong kind",
             with("kind: DlqReplay", "kind: DlqReplays"),
             "kind:",
-        ),
+        )
+        .server(ApiServer::NotApplicable),
         // --- cross-field rules
         case(
             "quarantine queue equal to source queue",
@@ -367,17 +433,73 @@ fn cases() -> Vec<Case> {
             .replacen("requireDone: false", "requireDone: true", 1),
             "spec.canary.requireDone:",
         ),
+        case(
+            "selector.payload condition without equals or in",
+            with(
+                "pointer: /show\n        equals: daily",
+                "pointer: /show",
+            ),
+            "spec.selector.payload[0]:",
+        ),
+        case(
+            "selector.payload condition with an empty in",
+            with(
+                "pointer: /show\n        equals: daily",
+                "pointer: /show\n        in: []",
+            ),
+            "spec.selector.payload[0].in:",
+        ),
+        // --- idempotency
+        case(
+            "idempotency key without fields",
+            with(
+                "      fields:\n        - pointer: /asset/id\n        - pointer: /show\n          default: none\n",
+                "      fields: []\n",
+            ),
+            "spec.idempotency.key.fields:",
+        ),
+        case(
+            "empty idempotency.doneValue",
+            with("    mode: Check\n", "    mode: Check\n    doneValue: \"\"\n"),
+            "spec.idempotency.doneValue:",
+        ),
+        case(
+            "idempotency.ttlSeconds 0",
+            with("    mode: Check\n", "    mode: Check\n    ttlSeconds: 0\n"),
+            "spec.idempotency.ttlSeconds:",
+        ),
+        // --- canary (with "rate 0", "quarantine queue equal to source queue", "idempotency key
+        // field pointer without leading slash" and "broker with both url and urlSecretRef"
+        // above: the five specs a real API server admitted before the CRD carried the rules)
+        case(
+            "canary.waitSeconds 0",
+            with("waitSeconds: 60", "waitSeconds: 0"),
+            "spec.canary.waitSeconds:",
+        ),
+        case(
+            "empty canary.signatureHeader",
+            with("    enabled: true\n", "    enabled: true\n    signatureHeader: \"\"\n"),
+            "spec.canary.signatureHeader:",
+        ),
+        // --- selector
+        case(
+            "selector.deathReasons with a reason RabbitMQ never records",
+            with("deathReasons: [rejected]", "deathReasons: [reject]"),
+            "spec.selector.deathReasons[0]:",
+        ),
         // --- enums
         case(
             "unknown idempotency.mode",
             with("mode: Check", "mode: Skip"),
             "spec.idempotency.mode: unknown variant `Skip`",
-        ),
+        )
+        .server(ApiServer::Refuses("spec.idempotency.mode")),
         case(
             "idempotency.mode in the wrong case",
             with("mode: Check", "mode: check"),
             "spec.idempotency.mode: unknown variant `check`",
-        ),
+        )
+        .server(ApiServer::Refuses("spec.idempotency.mode")),
     ]
 }
 
@@ -404,7 +526,7 @@ fn the_base_manifest_parses() {
 #[test]
 fn every_malformed_manifest_is_refused_with_its_field_path() {
     let cases = cases();
-    assert!(cases.len() >= 25, "only {} cases", cases.len());
+    assert!(cases.len() >= 60, "only {} cases", cases.len());
     let mut failures = Vec::new();
     for c in &cases {
         assert_ne!(c.yaml, BASE, "case {:?} does not change the base", c.name);
@@ -428,6 +550,56 @@ fn every_malformed_manifest_is_refused_with_its_field_path() {
         cases.len(),
         failures.join("\n")
     );
+}
+
+/// The committed CRD, as the fake API server (and a real one) gets it.
+fn api_server_schema() -> CrdSchema {
+    let crd: CustomResourceDefinition =
+        serde_yaml::from_str(include_str!("../crds/dlqreplay.yaml")).expect("crds/dlqreplay.yaml");
+    CrdSchema::new(&crd, "v1alpha1").expect("the CRD's schema")
+}
+
+/// What the API server says to a create of this manifest: the fields it refuses (prune,
+/// default, validate, as kube-apiserver does).
+fn api_server_refuses(schema: &CrdSchema, yaml: &str) -> Vec<String> {
+    let mut obj: serde_json::Value = serde_yaml::from_str(yaml).expect("YAML");
+    schema.prune(&mut obj);
+    schema.default(&mut obj);
+    schema
+        .validate(&obj, None)
+        .into_iter()
+        .map(|v| v.field)
+        .collect()
+}
+
+#[test]
+fn the_api_server_refuses_the_same_manifests_naming_the_same_field() {
+    let schema = api_server_schema();
+    assert_eq!(
+        api_server_refuses(&schema, BASE),
+        Vec::<String>::new(),
+        "the base manifest"
+    );
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    for c in cases() {
+        let field = match &c.server {
+            ApiServer::NotApplicable => continue,
+            ApiServer::Refuses(field) => field.to_string(),
+            ApiServer::RefusesTheSameField => c
+                .expected
+                .split_once(':')
+                .map(|(p, _)| p.to_string())
+                .unwrap_or_default(),
+        };
+        checked += 1;
+        let refused = api_server_refuses(&schema, &c.yaml);
+        if !refused.contains(&field) {
+            failures.push(format!("{}: refuses {refused:?}, not {field:?}", c.name));
+        }
+    }
+    assert!(checked >= 45, "only {checked} cases checked");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 /// URL errors name the field but never repeat the password.
@@ -491,11 +663,28 @@ fn url_errors_never_contain_the_password() {
             "spec.idempotency.redis:",
         ),
     ];
+    let schema = api_server_schema();
     for (name, yaml, path) in &cases {
         assert!(
             yaml.contains("s3cr3t-pw"),
             "{name}: the case lost its password"
         );
+        // Nor does the API server's answer (the same rules, its wording).
+        let mut obj: serde_json::Value = serde_yaml::from_str(yaml).expect("YAML");
+        schema.prune(&mut obj);
+        schema.default(&mut obj);
+        let refused = schema.validate(&obj, None);
+        let field = path.trim_end_matches(':');
+        assert!(
+            refused.iter().any(|v| v.field == field),
+            "{name}: the API server does not refuse {field}: {refused:?}"
+        );
+        for v in &refused {
+            assert!(
+                !v.to_string().contains("s3cr3t-pw"),
+                "{name}: the API server's error leaks the password: {v}"
+            );
+        }
         let e = match manifest::parse(yaml) {
             Ok(_) => panic!("{name}: parsed, but must be refused"),
             Err(e) => e.to_string(),
