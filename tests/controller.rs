@@ -732,6 +732,15 @@ async fn sigterm_mid_drain(c: &Cluster, n: u64, rate: &str, progress: u64) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let b = replica(c, &kubeconfig, "op-b", &[]).await;
+    // A follower stops at once, and leaves the Lease alone.
+    let mut f = replica(c, &kubeconfig, "op-f", &[]).await;
+    let (took, exit) = f.terminate(Duration::from_secs(10)).await;
+    eprintln!(
+        "shutdown of a following replica: SIGTERM -> exit {} ms",
+        took.as_millis()
+    );
+    assert_eq!(exit.and_then(|e| e.code()), Some(0), "{exit:?}");
+    assert_eq!(lease_holder(c).await.as_deref(), Some("op-a"));
     let api = replays(c);
     let extra = format!("{}{rate}", w.idempotency("Claim"));
     api.create(
