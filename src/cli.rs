@@ -67,6 +67,11 @@ pub struct OperatorArgs {
     /// backoff) before it ends Failed.
     #[arg(long, default_value_t = 300)]
     pub reconnect_timeout: u64,
+    /// Seconds a graceful stop (SIGTERM/SIGINT) may take before the process exits anyway (1):
+    /// keep it below the pod's terminationGracePeriodSeconds, so that the operator says so
+    /// instead of being killed.
+    #[arg(long, default_value_t = 45)]
+    pub shutdown_timeout: u64,
     /// Log lines as text or as JSON objects (one per line, for a log collector).
     #[arg(long, value_enum, default_value_t, env = "LOG_FORMAT")]
     pub log_format: LogFormat,
@@ -217,6 +222,17 @@ async fn operator(args: OperatorArgs) -> Result<ExitCode, Error> {
     let shutdown = CancellationToken::new();
     // First, so that a SIGTERM during start-up is a clean stop too.
     tokio::spawn(on_signals(shutdown.clone(), metrics.clone()));
+    let deadline = Duration::from_secs(args.shutdown_timeout);
+    let watchdog = shutdown.clone();
+    tokio::spawn(async move {
+        watchdog.cancelled().await;
+        tokio::time::sleep(deadline).await;
+        tracing::error!(
+            after_s = deadline.as_secs(),
+            "the graceful stop did not finish in time (API server or broker not answering?): exiting now; the batches in flight are decided again by the next run"
+        );
+        std::process::exit(1);
+    });
     let client = kube::Client::try_default().await.map_err(|e| {
         Error::Config(format!(
             "no Kubernetes client (in-cluster or kubeconfig): {e}"

@@ -83,6 +83,10 @@ pub const MANAGER: &str = "dlq-replay";
 /// The name of the leader-election Lease.
 pub const LEASE: &str = "dlq-replay-leader";
 
+/// The longest the operator waits for one answer of the API server on a replay's behalf (a
+/// status write, an event).
+const API_CALL_TIMEOUT: Duration = Duration::from_secs(5);
+
 struct Task {
     source: String,
     cancel: CancellationToken,
@@ -477,10 +481,17 @@ async fn write_status(
     let params = PatchParams::apply(MANAGER).force();
     let started = Instant::now();
     let mut delays = engine::backoff(Duration::from_secs(4));
-    while let Err(e) = api
-        .patch_status(&obj.name_any(), &params, &Patch::Apply(&body))
-        .await
-    {
+    // Each attempt is bounded: an API server that takes the connection and never answers must
+    // not hold a shutdown for the client's read timeout (295 s).
+    let (name, patch) = (obj.name_any(), Patch::Apply(&body));
+    let attempt = || async {
+        let write = api.patch_status(&name, &params, &patch);
+        match tokio::time::timeout(API_CALL_TIMEOUT, write).await {
+            Ok(written) => written.map(|_| ()),
+            Err(_) => Err(kube::Error::Service("no answer within 5 s".into())),
+        }
+    };
+    while let Err(e) = attempt().await {
         let delay = delays.next().unwrap_or(Duration::from_secs(4));
         let budget_left = started.elapsed() + delay <= ctx.settings.status_retry;
         if !status::worth_retrying(&e) || !budget_left || stop.is_cancelled() {
@@ -530,8 +541,12 @@ async fn emit(ctx: &Context, obj: &DlqReplay, warning: bool, reason: &str, note:
         action: "Replay".into(),
         secondary: None,
     };
-    if let Err(e) = ctx.recorder.publish(&ev, &obj.object_ref(&())).await {
-        tracing::warn!(error = %e, "publishing an event");
+    let reference = obj.object_ref(&());
+    let publish = ctx.recorder.publish(&ev, &reference);
+    match tokio::time::timeout(API_CALL_TIMEOUT, publish).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "publishing an event"),
+        Err(_) => tracing::warn!("publishing an event: no answer within 5 s"),
     }
 }
 
