@@ -543,6 +543,7 @@ pub struct AuditRef {
 /// A standard Kubernetes condition.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(transform = condition_observed_generation)]
 pub struct Condition {
     /// The condition's type, e.g. `Ready`.
     #[serde(rename = "type")]
@@ -555,6 +556,24 @@ pub struct Condition {
     pub message: String,
     /// When the status last changed (RFC 3339).
     pub last_transition_time: String,
+}
+
+/// The operator writes its conditions as Kubernetes' own (`metav1.Condition`, server-side
+/// applied), which carry `observedGeneration`: the schema declares it, or the API server refuses
+/// the status (a server-side apply may not set a field the schema does not declare). This type
+/// reads conditions back without it.
+fn condition_observed_generation(schema: &mut schemars::Schema) {
+    if let Some(props) = schema.get_mut("properties").and_then(|p| p.as_object_mut()) {
+        props.insert(
+            "observedGeneration".into(),
+            serde_json::json!({
+                "description": "The spec generation the condition was set for.",
+                "type": "integer",
+                "format": "int64",
+                "minimum": 0,
+            }),
+        );
+    }
 }
 
 /// Spec fields that are fixed once a replay exists (everything but `suspend`): a replay is
