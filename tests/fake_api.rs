@@ -4,7 +4,14 @@
 //! real cluster when `E2E=1` and `KUBECONFIG` are set (a fresh namespace per test, the CRD from
 //! `crds/dlqreplay.yaml` applied first). Without them the `e2e::*` tests print
 //! `SKIPPED: E2E=1 and KUBECONFIG not set` and check nothing. `fake_only::*` covers the fake's own
-//! helpers (`put_secret`, `events`, `status_writes`, `get_json`, `expire_watches`).
+//! helpers (`put_secret`, `events`, `status_writes`, `get_json`, `expire_watches`) and what a
+//! shared cluster cannot be made to show (another CRD installed: ratcheting; `Warning` headers).
+//!
+//! The CRD's rules hold on both: a spec change other than `suspend` is refused (the checks that
+//! change a spec change `suspend`), and so is every bad spec a real API server once admitted
+//! (`messagesPerSecond: 0`, quarantine = source, a key pointer without `/`,
+//! `canary.waitSeconds: 0`, both `url` and `urlSecretRef`, ...), with 422 `Invalid` and a cause
+//! naming the field.
 
 mod support;
 
@@ -18,7 +25,8 @@ use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, ObjectReference, Secret};
 use kube::api::{
-    Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, WatchEvent, WatchParams,
+    Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams,
+    WatchEvent, WatchParams,
 };
 use kube::runtime::{finalizer, watcher};
 use kube::{Client, Resource, ResourceExt};
@@ -134,6 +142,19 @@ fn generation<K: Resource>(k: &K) -> i64 {
 fn api_code(e: &kube::Error) -> (u16, String) {
     match e {
         kube::Error::Api(s) => (s.code, s.reason.clone()),
+        other => panic!("expected an API error, got {other:?}"),
+    }
+}
+
+/// The fields an API error's `details.causes` name.
+fn causes(e: &kube::Error) -> Vec<String> {
+    match e {
+        kube::Error::Api(s) => s
+            .details
+            .iter()
+            .flat_map(|d| d.causes.iter())
+            .map(|c| c.field.clone())
+            .collect(),
         other => panic!("expected an API error, got {other:?}"),
     }
 }
@@ -276,13 +297,23 @@ async fn generation_bumps_only_on_spec_changes(env: &Env) {
         .await
         .unwrap();
     assert_eq!(generation(&replaced), 2, "replace without spec change");
+    // (`suspend` is the one spec field the CRD lets change.)
     let mut changed = replaced.clone();
-    changed.spec.dry_run = true;
+    changed.spec.suspend = false;
     let replaced = api
         .replace("gen", &PostParams::default(), &changed)
         .await
         .unwrap();
     assert_eq!(generation(&replaced), 3, "replace with spec change");
+    // A spec change the CRD refuses changes nothing, the generation included.
+    let mut refused = replaced.clone();
+    refused.spec.dry_run = true;
+    let e = api
+        .replace("gen", &PostParams::default(), &refused)
+        .await
+        .unwrap_err();
+    assert_eq!(api_code(&e), (422, "Invalid".into()), "{e:?}");
+    assert_eq!(generation(&api.get("gen").await.unwrap()), 3);
 }
 
 async fn status_and_spec_are_separate(env: &Env) {
@@ -319,11 +350,11 @@ async fn status_and_spec_are_separate(env: &Env) {
         .patch(
             "sub",
             &pp(),
-            &merge(json!({"spec": {"dryRun": true}, "status": {"phase": "Failed"}})),
+            &merge(json!({"spec": {"suspend": true}, "status": {"phase": "Failed"}})),
         )
         .await
         .unwrap();
-    assert!(sp.spec.dry_run);
+    assert!(sp.spec.suspend);
     assert_eq!(
         sp.status.as_ref().unwrap().phase,
         Some(Phase::Draining),
@@ -331,22 +362,22 @@ async fn status_and_spec_are_separate(env: &Env) {
     );
     // Same for replace and replace_status.
     let mut body = sp.clone();
-    body.spec.suspend = true;
+    body.spec.suspend = false;
     body.status.as_mut().unwrap().phase = Some(Phase::Done);
     let rs = api
         .replace_status("sub", &PostParams::default(), &body)
         .await
         .unwrap();
     assert_eq!(rs.status.as_ref().unwrap().phase, Some(Phase::Done));
-    assert!(!rs.spec.suspend, "replace_status changed spec");
+    assert!(rs.spec.suspend, "replace_status changed spec");
     let mut body = rs.clone();
-    body.spec.suspend = true;
+    body.spec.suspend = false;
     body.status.as_mut().unwrap().phase = Some(Phase::Failed);
     let r = api
         .replace("sub", &PostParams::default(), &body)
         .await
         .unwrap();
-    assert!(r.spec.suspend);
+    assert!(!r.spec.suspend);
     assert_eq!(
         r.status.as_ref().unwrap().phase,
         Some(Phase::Done),
@@ -671,13 +702,28 @@ async fn patches_of_every_kind(env: &Env) {
     // JSON patch (RFC 6902) with a passing test op.
     let jp: json_patch::Patch = serde_json::from_value(json!([
         {"op": "test", "path": "/spec/source/queue", "value": "p-dlq"},
-        {"op": "replace", "path": "/spec/source/queue", "value": "p-dlq-2"},
+        {"op": "replace", "path": "/spec/suspend", "value": true},
         {"op": "add", "path": "/metadata/annotations", "value": {"k": "v"}},
     ]))
     .unwrap();
     let j = api.patch("p", &pp(), &Patch::Json::<()>(jp)).await.unwrap();
-    assert_eq!(j.spec.source.queue, "p-dlq-2");
+    assert!(j.spec.suspend);
     assert_eq!(j.annotations().get("k").map(String::as_str), Some("v"));
+    // A JSON patch the CRD refuses (the source queue is immutable) changes nothing.
+    let jp: json_patch::Patch = serde_json::from_value(json!([
+        {"op": "replace", "path": "/spec/source/queue", "value": "p-dlq-2"},
+        {"op": "add", "path": "/metadata/annotations/k2", "value": "v2"},
+    ]))
+    .unwrap();
+    let e = api
+        .patch("p", &pp(), &Patch::Json::<()>(jp))
+        .await
+        .unwrap_err();
+    assert_eq!(api_code(&e), (422, "Invalid".into()), "{e:?}");
+    assert_eq!(causes(&e), ["spec.source"], "{e:?}");
+    let unchanged = api.get("p").await.unwrap();
+    assert_eq!(unchanged.spec.source.queue, "p-dlq");
+    assert!(!unchanged.annotations().contains_key("k2"));
     // Merge patch with a stale resourceVersion conflicts.
     let e = api
         .patch(
@@ -697,14 +743,14 @@ async fn patches_of_every_kind(env: &Env) {
                 "apiVersion": "replay.dlq.dev/v1alpha1",
                 "kind": "DlqReplay",
                 "metadata": {"name": "p", "labels": {"applied": "yes"}},
-                "spec": {"suspend": true},
+                "spec": {"suspend": false},
             })),
         )
         .await
         .unwrap();
     assert_eq!(ap.labels().get("applied").map(String::as_str), Some("yes"));
-    assert!(ap.spec.suspend);
-    assert_eq!(ap.spec.source.queue, "p-dlq-2");
+    assert!(!ap.spec.suspend);
+    assert_eq!(ap.spec.source.queue, "p-dlq");
     // Apply creates an absent object.
     let fresh = serde_json::to_value(replay("p-new", &env.ns)).unwrap();
     let created = api
@@ -786,19 +832,28 @@ async fn errors_are_statuses(env: &Env) {
         .await
         .unwrap();
     let mut stale = created.clone();
-    stale.spec.dry_run = true;
+    stale.spec.suspend = false;
+    stale
+        .metadata
+        .labels
+        .get_or_insert_default()
+        .insert("late".into(), "1".into());
     let e = api
         .replace("dup", &PostParams::default(), &stale)
         .await
         .unwrap_err();
     assert_eq!(api_code(&e), (409, "Conflict".into()));
     let mut current = updated.clone();
-    current.spec.dry_run = true;
+    current
+        .metadata
+        .labels
+        .get_or_insert_default()
+        .insert("late".into(), "1".into());
     let ok = api
         .replace("dup", &PostParams::default(), &current)
         .await
         .unwrap();
-    assert!(ok.spec.dry_run && ok.spec.suspend);
+    assert!(ok.spec.suspend && ok.labels().contains_key("late"));
     // A delete without finalizers removes the object.
     api.delete("dup", &DeleteParams::default()).await.unwrap();
     let gone = eventually(Duration::from_secs(20), || async {
@@ -1026,6 +1081,330 @@ async fn events_in_both_groups(env: &Env) {
     }
 }
 
+// ---------------------------------------------------------------- the CRD's rules (fake and real)
+
+/// The replays as raw JSON: what the CLI (and so the typed `replay`) refuses can still be sent.
+fn raw_replays(env: &Env) -> Api<DynamicObject> {
+    Api::namespaced_with(
+        env.client.clone(),
+        &env.ns,
+        &ApiResource::erase::<DlqReplay>(&()),
+    )
+}
+
+/// A minimal valid replay as JSON, with `spec` merged into its spec (RFC 7386).
+fn raw_replay(name: &str, spec: Value) -> DynamicObject {
+    let mut obj = json!({
+        "apiVersion": "replay.dlq.dev/v1alpha1",
+        "kind": "DlqReplay",
+        "metadata": {"name": name},
+        "spec": {
+            "broker": {"url": "amqp://guest:guest@127.0.0.1:5672/%2f"},
+            "source": {"queue": format!("{name}-dlq")},
+            "quarantine": {"queue": format!("{name}-quarantine")},
+        },
+    });
+    json_patch::merge(&mut obj["spec"], &spec);
+    serde_json::from_value(obj).expect("a DynamicObject")
+}
+
+/// The specs a real API server admitted before the CRD carried the rules, each refused now with
+/// 422 naming its field, and not stored. The message never repeats the URL's password.
+async fn bad_specs_are_refused_naming_the_field(env: &Env) {
+    let api = raw_replays(env);
+    let redis = json!({"url": "redis://127.0.0.1:6379/0"});
+    let cases = [
+        (
+            "rate-zero",
+            json!({"rate": {"messagesPerSecond": 0}}),
+            "spec.rate.messagesPerSecond",
+        ),
+        (
+            "same-queue",
+            json!({"quarantine": {"queue": "same-queue-dlq"}}),
+            "spec.quarantine.queue",
+        ),
+        (
+            "no-slash",
+            json!({"idempotency": {"redis": redis, "key": {"fields": [{"pointer": "asset_id"}]}}}),
+            "spec.idempotency.key.fields[0].pointer",
+        ),
+        (
+            "wait-zero",
+            json!({"canary": {"waitSeconds": 0}}),
+            "spec.canary.waitSeconds",
+        ),
+        (
+            "both-urls",
+            json!({"broker": {"url": "amqp://guest:s3cr3t-pw@127.0.0.1:5672/%2f", "urlSecretRef": {"name": "rabbitmq", "key": "url"}}}),
+            "spec.broker",
+        ),
+        (
+            "http-url",
+            json!({"broker": {"url": "http://guest:s3cr3t-pw@127.0.0.1:5672/"}}),
+            "spec.broker.url",
+        ),
+        (
+            "burst-zero",
+            json!({"rate": {"messagesPerSecond": 10, "burst": 0}}),
+            "spec.rate.burst",
+        ),
+        (
+            "payload-without-condition",
+            json!({"selector": {"payload": [{"pointer": "/show"}]}}),
+            "spec.selector.payload[0]",
+        ),
+        (
+            "require-done-in-claim-mode",
+            json!({"idempotency": {"redis": redis, "mode": "Claim", "key": {"fields": [{"pointer": "/id"}]}}, "canary": {"requireDone": true}}),
+            "spec.canary.requireDone",
+        ),
+    ];
+    for (name, spec, field) in cases {
+        let e = api
+            .create(&PostParams::default(), &raw_replay(name, spec))
+            .await
+            .expect_err(name);
+        assert_eq!(api_code(&e), (422, "Invalid".into()), "{name}: {e:?}");
+        assert!(causes(&e).iter().any(|c| c == field), "{name}: {e:?}");
+        let kube::Error::Api(status) = &e else {
+            unreachable!()
+        };
+        assert!(
+            status.message.contains(field) && !status.message.contains("s3cr3t-pw"),
+            "{name}: {}",
+            status.message
+        );
+        assert!(api.get_opt(name).await.unwrap().is_none(), "{name} stored");
+    }
+}
+
+/// Every spec field but `suspend` is fixed once the replay exists: a change of one, by any kind
+/// of write, is refused with 422 naming it (`FieldValueForbidden`), and nothing changes.
+async fn immutable_fields_are_refused_naming_the_field(env: &Env) {
+    let api = env.replays();
+    let created = api
+        .create(&PostParams::default(), &replay("imm", &env.ns))
+        .await
+        .unwrap();
+    let forbidden = |e: &kube::Error, field: &str| {
+        assert_eq!(api_code(e), (422, "Invalid".into()), "{e:?}");
+        let kube::Error::Api(s) = e else {
+            unreachable!()
+        };
+        let cause = s
+            .details
+            .iter()
+            .flat_map(|d| d.causes.iter())
+            .find(|c| c.field == field)
+            .unwrap_or_else(|| panic!("no cause for {field}: {e:?}"));
+        assert_eq!(cause.reason, "FieldValueForbidden", "{e:?}");
+    };
+    let changes = [
+        (
+            json!({"spec": {"source": {"queue": "other"}}}),
+            "spec.source",
+        ),
+        (json!({"spec": {"dryRun": true}}), "spec.dryRun"),
+        (
+            json!({"spec": {"rate": {"messagesPerSecond": 10}}}),
+            "spec.rate",
+        ),
+        (
+            json!({"spec": {"canary": {"waitSeconds": 60}}}),
+            "spec.canary",
+        ),
+    ];
+    for (patch, field) in changes {
+        let e = api.patch("imm", &pp(), &merge(patch)).await.unwrap_err();
+        forbidden(&e, field);
+    }
+    let mut replaced = created.clone();
+    replaced.spec.quarantine.queue = "other-quarantine".into();
+    let e = api
+        .replace("imm", &PostParams::default(), &replaced)
+        .await
+        .unwrap_err();
+    forbidden(&e, "spec.quarantine");
+    let e = api
+        .patch(
+            "imm",
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(json!({
+                "apiVersion": "replay.dlq.dev/v1alpha1",
+                "kind": "DlqReplay",
+                "metadata": {"name": "imm"},
+                "spec": {"broker": {"url": "amqp://guest:guest@127.0.0.1:5673/%2f"}},
+            })),
+        )
+        .await
+        .unwrap_err();
+    forbidden(&e, "spec.broker");
+    let now = api.get("imm").await.unwrap();
+    assert_eq!(now.spec, created.spec, "a refused write changed the spec");
+    assert_eq!(generation(&now), 1);
+    // `suspend` may change.
+    let suspended = api
+        .patch("imm", &pp(), &merge(json!({"spec": {"suspend": true}})))
+        .await
+        .unwrap();
+    assert!(suspended.spec.suspend);
+    assert_eq!(generation(&suspended), 2);
+}
+
+/// Fields the schema does not know are pruned (the default `fieldValidation=Warn`), refused with
+/// 400 under `fieldValidation=Strict`, and fail a server-side apply.
+async fn unknown_fields_are_pruned_or_refused(env: &Env) {
+    let api = raw_replays(env);
+    let created = api
+        .create(
+            &PostParams::default(),
+            &raw_replay("unk", json!({"bogus": 1, "source": {"extra": "x"}})),
+        )
+        .await
+        .unwrap();
+    let spec = &created.data["spec"];
+    assert!(spec.get("bogus").is_none(), "{spec}");
+    assert_eq!(spec["source"], json!({"queue": "unk-dlq"}));
+    let stored = api.get("unk").await.unwrap();
+    assert!(stored.data["spec"].get("bogus").is_none());
+    // A merge patch: pruned, so no spec change (the generation stays).
+    let patched = api
+        .patch("unk", &pp(), &merge(json!({"spec": {"bogus": 2}})))
+        .await
+        .unwrap();
+    assert!(patched.data["spec"].get("bogus").is_none());
+    assert_eq!(patched.metadata.generation, Some(1));
+    // Strict: refused, naming the field.
+    let e = api
+        .patch(
+            "unk",
+            &PatchParams::default().validation_strict(),
+            &merge(json!({"spec": {"bogus": 3}})),
+        )
+        .await
+        .unwrap_err();
+    let kube::Error::Api(s) = &e else {
+        panic!("{e:?}")
+    };
+    assert_eq!(s.code, 400, "{e:?}");
+    assert!(s.message.contains("spec.bogus"), "{}", s.message);
+    // Server-side apply types the patch with the schema: an undeclared field fails it
+    // (kube-apiserver v1.36 answers 500).
+    let e = api
+        .patch(
+            "unk",
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(json!({
+                "apiVersion": "replay.dlq.dev/v1alpha1",
+                "kind": "DlqReplay",
+                "metadata": {"name": "unk"},
+                "spec": {"bogus": 4},
+            })),
+        )
+        .await
+        .unwrap_err();
+    let kube::Error::Api(s) = &e else {
+        panic!("{e:?}")
+    };
+    assert!(s.code == 500 || s.code == 400, "{e:?}");
+    assert!(
+        s.message
+            .contains(".spec.bogus: field not declared in schema"),
+        "{}",
+        s.message
+    );
+}
+
+/// The API server fills in the schema's defaults: the spec's on create, the status's on a
+/// status write.
+async fn defaults_are_applied(env: &Env) {
+    let api = raw_replays(env);
+    let created = api
+        .create(&PostParams::default(), &raw_replay("dft", json!({})))
+        .await
+        .unwrap();
+    let spec = &created.data["spec"];
+    assert_eq!(spec["canary"]["waitSeconds"], 120, "{spec}");
+    assert_eq!(spec["canary"]["enabled"], true, "{spec}");
+    assert_eq!(spec["dryRun"], false, "{spec}");
+    assert_eq!(spec["suspend"], false, "{spec}");
+    assert_eq!(spec["selector"], json!({}), "{spec}");
+    let st = api
+        .patch_status(
+            "dft",
+            &pp(),
+            &merge(json!({"status": {"phase": "Pending"}})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(st.data["status"]["counts"]["scanned"], 0, "{}", st.data);
+}
+
+/// Writes to `/status` are checked against the status schema.
+async fn status_is_validated_against_its_schema(env: &Env) {
+    let api = env.replays();
+    api.create(&PostParams::default(), &replay("sts", &env.ns))
+        .await
+        .unwrap();
+    let e = api
+        .patch_status("sts", &pp(), &merge(json!({"status": {"phase": "Bogus"}})))
+        .await
+        .unwrap_err();
+    assert_eq!(api_code(&e), (422, "Invalid".into()), "{e:?}");
+    assert_eq!(causes(&e), ["status.phase"], "{e:?}");
+    let e = api
+        .patch_status(
+            "sts",
+            &pp(),
+            &merge(json!({"status": {"counts": {"scanned": -1}}})),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(api_code(&e).0, 422, "{e:?}");
+    assert!(
+        causes(&e).contains(&"status.counts.scanned".to_string()),
+        "{e:?}"
+    );
+    // Unknown status fields are pruned; known ones kept.
+    let st = api
+        .patch_status(
+            "sts",
+            &pp(),
+            &merge(json!({"status": {"phase": "Pending", "bogus": 1}})),
+        )
+        .await
+        .unwrap();
+    assert_eq!(st.status.unwrap().phase, Some(Phase::Pending));
+    let raw = raw_replays(env).get("sts").await.unwrap();
+    assert!(raw.data["status"].get("bogus").is_none(), "{}", raw.data);
+    // The operator's own status write: a server-side apply of conditions as Kubernetes' own
+    // (`metav1.Condition`, with `observedGeneration`).
+    let condition = k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+        type_: "Ready".into(),
+        status: "False".into(),
+        reason: "Pending".into(),
+        message: "waiting".into(),
+        last_transition_time: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            k8s_openapi::jiff::Timestamp::from_second(1_800_000_000).unwrap(),
+        ),
+        observed_generation: Some(1),
+    };
+    let applied = api
+        .patch_status(
+            "sts",
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(json!({
+                "apiVersion": "replay.dlq.dev/v1alpha1",
+                "kind": "DlqReplay",
+                "status": {"phase": "Pending", "conditions": [condition]},
+            })),
+        )
+        .await
+        .unwrap();
+    assert_eq!(applied.status.unwrap().conditions[0].reason, "Pending");
+}
+
 macro_rules! conformance {
     ($($name:ident),* $(,)?) => {
         /// The checks against the in-process fake.
@@ -1072,12 +1451,109 @@ conformance!(
     server_side_apply_conflicts,
     cluster_wide_list_and_watch,
     events_in_both_groups,
+    bad_specs_are_refused_naming_the_field,
+    immutable_fields_are_refused_naming_the_field,
+    unknown_fields_are_pruned_or_refused,
+    defaults_are_applied,
+    status_is_validated_against_its_schema,
 );
 
 // ---------------------------------------------------------------- the fake's own helpers
 
 mod fake_only {
     use super::*;
+
+    /// A replay an older CRD admitted (`messagesPerSecond: 0`, quarantine = source) after the
+    /// committed CRD is applied over it: what leaves the bad values alone passes (ratcheting:
+    /// metadata, the status, the finalizer the operator adds), a change of the spec is checked
+    /// again, and the cross-field rule of the changed spec node refuses it.
+    #[tokio::test]
+    async fn an_upgraded_crd_ratchets_what_an_older_one_admitted() {
+        use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+        use support::fake_api::{committed_crd, crd_before_the_rules};
+        let fake = FakeApi::start().await;
+        let crds: Api<CustomResourceDefinition> = Api::all(fake.client());
+        let name = committed_crd().metadata.name.unwrap();
+        let apply = |crd: CustomResourceDefinition| {
+            let crds = crds.clone();
+            let name = name.clone();
+            async move {
+                crds.patch(
+                    &name,
+                    &PatchParams::apply(MANAGER).force(),
+                    &Patch::Apply(crd),
+                )
+                .await
+                .expect("apply the CRD")
+            }
+        };
+        apply(crd_before_the_rules()).await;
+        let env = Env {
+            client: fake.client(),
+            ns: "ops".into(),
+            fake: None,
+        };
+        let bad = json!({"rate": {"messagesPerSecond": 0}, "quarantine": {"queue": "old-dlq"}});
+        raw_replays(&env)
+            .create(&PostParams::default(), &raw_replay("old", bad.clone()))
+            .await
+            .expect("admitted by the older CRD");
+        apply(committed_crd()).await;
+        // Now refused on create...
+        let e = raw_replays(&env)
+            .create(&PostParams::default(), &raw_replay("new", bad))
+            .await
+            .unwrap_err();
+        assert_eq!(api_code(&e).0, 422);
+        // ...but the stored one may still be labelled, finalized and given a status.
+        let api = env.replays();
+        api.patch(
+            "old",
+            &pp(),
+            &merge(json!({"metadata": {"labels": {"a": "b"}}})),
+        )
+        .await
+        .expect("a metadata change");
+        api.patch(
+            "old",
+            &pp(),
+            &merge(json!({"metadata": {"finalizers": [FINALIZER]}})),
+        )
+        .await
+        .expect("a finalizer");
+        api.patch_status("old", &pp(), &merge(json!({"status": {"phase": "Failed"}})))
+            .await
+            .expect("a status write");
+        // A change of the spec evaluates the spec's rules again: the unchanged rate is
+        // ratcheted, the cross-field rule of the changed node is not.
+        let e = api
+            .patch("old", &pp(), &merge(json!({"spec": {"suspend": true}})))
+            .await
+            .unwrap_err();
+        assert_eq!(causes(&e), ["spec.quarantine.queue"], "{e:?}");
+    }
+
+    /// Unknown fields are pruned with a `Warning` header, as kube-apiserver's default
+    /// `fieldValidation=Warn` does.
+    #[tokio::test]
+    async fn pruned_fields_are_warned_about() {
+        let fake = FakeApi::start().await;
+        let body = serde_json::to_vec(&raw_replay("w", json!({"bogus": 1}))).unwrap();
+        let request =
+            hyper::Request::post("/apis/replay.dlq.dev/v1alpha1/namespaces/ops/dlqreplays")
+                .header("content-type", "application/json")
+                .body(kube::client::Body::from(body))
+                .unwrap();
+        let response = fake.client().send(request).await.unwrap();
+        assert_eq!(response.status().as_u16(), 201);
+        let warnings: Vec<&str> = response
+            .headers()
+            .get_all("warning")
+            .iter()
+            .map(|v| v.to_str().unwrap())
+            .collect();
+        assert_eq!(warnings, [r#"299 - "unknown field \"spec.bogus\"""#]);
+    }
 
     #[tokio::test]
     async fn put_secret_is_visible_to_get_and_watch() {

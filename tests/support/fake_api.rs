@@ -8,9 +8,21 @@
 //! What it models: a global resourceVersion, uid/creationTimestamp/generation, the `/status`
 //! subresource, GET/LIST/CREATE/PUT/PATCH (merge, JSON, strategic-as-merge, apply-as-merge)/DELETE
 //! (with finalizers and deletionTimestamp), streaming watches replayed from any resourceVersion,
-//! and `410 Gone` after [`FakeApi::expire_watches`]. What it does not: authentication, admission,
-//! schema validation or defaulting, garbage collection of owned objects, namespace lifecycle,
-//! managedFields and real server-side-apply field ownership.
+//! and `410 Gone` after [`FakeApi::expire_watches`].
+//!
+//! `DlqReplay` objects are checked as kube-apiserver v1.36 checks a custom resource against its
+//! CRD (the committed `crds/dlqreplay.yaml`, or a `CustomResourceDefinition` written to the fake,
+//! as by `kubectl apply -f crds/`), on every create, update and patch of the object and of its
+//! `/status`: unknown fields pruned (a `Warning` header; `fieldValidation=Strict` refuses them
+//! with 400; a server-side apply that sets one fails with 500, "field not declared in schema"),
+//! schema defaults applied, then the OpenAPI schema and the CEL rules (transition rules against
+//! the stored object) validated, with ratcheting: what an update leaves unchanged is not refused.
+//! A refusal is a 422 `Invalid` `Status` whose `details.causes` name each field. The checking
+//! itself is `dlq_replay::manifest::structural` (jsonschema and kube-cel).
+//!
+//! What it does not model: authentication, admission webhooks, validation of built-in kinds,
+//! garbage collection of owned objects, namespace lifecycle, managedFields and real
+//! server-side-apply field ownership.
 #![allow(dead_code)]
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -21,9 +33,11 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use bytes::Bytes;
+use dlq_replay::manifest::structural::{CrdSchema, Violation};
 use http_body_util::{combinators::UnsyncBoxBody, BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc;
 
@@ -85,6 +99,77 @@ impl Kind {
     fn is_custom(&self) -> bool {
         !(self.group.is_empty() || self.group.ends_with(".k8s.io") || !self.group.contains('.'))
     }
+
+    /// Checked against its CRD's structural schema: the `DlqReplay`.
+    fn has_schema(&self) -> bool {
+        self.group == dlq_replay::api::GROUP && self.plural == "dlqreplays"
+    }
+
+    /// The name of the CRD that serves this kind, `dlqreplays.replay.dlq.dev`.
+    fn crd_name(&self) -> String {
+        format!("{}.{}", self.plural, self.group)
+    }
+}
+
+/// The committed CRD, what a cluster gets from `kubectl apply -f crds/`.
+const COMMITTED_CRD: &str = include_str!("../../crds/dlqreplay.yaml");
+
+/// The committed CRD (`crds/dlqreplay.yaml`).
+pub fn committed_crd() -> CustomResourceDefinition {
+    serde_yaml::from_str(COMMITTED_CRD).expect("crds/dlqreplay.yaml is a CRD")
+}
+
+/// The committed CRD as it was before it carried the bounds of the fields and the rules of
+/// `api::rules()`: only the immutability of the spec (its transition rules) is left. A real API
+/// server with this CRD admitted `messagesPerSecond: 0` and the like; writing it to the fake
+/// (then the committed one again, as an upgrade would) makes such objects.
+pub fn crd_before_the_rules() -> CustomResourceDefinition {
+    fn strip(schema: &mut Value) {
+        let Some(map) = schema.as_object_mut() else {
+            return;
+        };
+        for k in [
+            "minimum",
+            "maximum",
+            "minLength",
+            "maxLength",
+            "minItems",
+            "maxItems",
+            "pattern",
+        ] {
+            map.remove(k);
+        }
+        if let Some(Value::Array(rules)) = map.get_mut("x-kubernetes-validations") {
+            rules.retain(|r| r["rule"].as_str().is_some_and(|r| r.contains("oldSelf")));
+        }
+        for key in ["properties"] {
+            if let Some(Value::Object(props)) = map.get_mut(key) {
+                props.values_mut().for_each(strip);
+            }
+        }
+        for key in ["items", "additionalProperties"] {
+            if let Some(sub) = map.get_mut(key) {
+                strip(sub);
+            }
+        }
+    }
+    let mut crd = serde_json::to_value(committed_crd()).expect("CRD as JSON");
+    if let Some(versions) = crd["spec"]["versions"].as_array_mut() {
+        for v in versions {
+            strip(&mut v["schema"]["openAPIV3Schema"]);
+        }
+    }
+    serde_json::from_value(crd).expect("a CRD")
+}
+
+fn committed_schema() -> Arc<CrdSchema> {
+    static SCHEMA: std::sync::LazyLock<Arc<CrdSchema>> = std::sync::LazyLock::new(|| {
+        Arc::new(
+            CrdSchema::new(&committed_crd(), "v1alpha1")
+                .expect("the schema of crds/dlqreplay.yaml"),
+        )
+    });
+    SCHEMA.clone()
 }
 
 const KINDS: &[Kind] = &[
@@ -286,6 +371,10 @@ struct State {
     /// Which field manager last set each field (JSON pointer) of each object, for the
     /// conflicts of server-side apply.
     owners: HashMap<Key, BTreeMap<String, String>>,
+    /// The schema of a `CustomResourceDefinition` written to the fake, by its resourceVersion.
+    crd_schema: Option<(String, Arc<CrdSchema>)>,
+    /// The `Warning` headers of the request being answered.
+    warnings: Vec<String>,
 }
 
 /// What a write request says besides its body.
@@ -297,6 +386,9 @@ struct Ctx {
     force: bool,
     /// `fieldManager`, else the User-Agent's product, else `unknown`.
     manager: String,
+    /// `fieldValidation`: `Strict` refuses unknown fields, `Ignore` drops them silently, and
+    /// `Warn` (the default) drops them with a `Warning` header.
+    field_validation: Option<String>,
 }
 
 /// An error answer: HTTP code, reason and message of a `Status`.
@@ -337,6 +429,34 @@ fn not_found(kind: &Kind, name: &str) -> ApiError {
     obj_err(404, "NotFound", kind, name, "not found")
 }
 
+/// kube-apiserver's answer to an object its schema or CEL rules refuse: 422 `Invalid`, one
+/// cause per field.
+fn invalid(kind: &Kind, name: &str, violations: &[Violation]) -> ApiError {
+    let each: Vec<String> = violations.iter().map(ToString::to_string).collect();
+    let summary = match each.as_slice() {
+        [one] => one.clone(),
+        many => format!("[{}]", many.join(", ")),
+    };
+    let causes: Vec<Value> = violations
+        .iter()
+        .map(|v| json!({"reason": v.reason, "message": v.detail, "field": v.field}))
+        .collect();
+    ApiError {
+        code: 422,
+        reason: "Invalid",
+        message: format!(
+            "{}.{} \"{name}\" is invalid: {summary}",
+            kind.kind, kind.group
+        ),
+        details: Some(json!({
+            "name": name,
+            "group": kind.group,
+            "kind": kind.kind,
+            "causes": causes,
+        })),
+    }
+}
+
 fn status_body(e: &ApiError) -> Value {
     let mut v = json!({
         "kind": "Status",
@@ -347,6 +467,12 @@ fn status_body(e: &ApiError) -> Value {
         "reason": e.reason,
         "code": e.code,
     });
+    if e.reason.is_empty() {
+        // As kube-apiserver's answer to an error it has no reason for (a 500).
+        if let Some(m) = v.as_object_mut() {
+            m.remove("reason");
+        }
+    }
     if let Some(d) = &e.details {
         v["details"] = d.clone();
     }
@@ -429,6 +555,123 @@ impl State {
     fn bump(&mut self) -> u64 {
         self.rv += 1;
         self.rv
+    }
+
+    /// The schema `kind`'s objects are checked against: that of its CRD when one was written to
+    /// the fake (as after `kubectl apply -f` of another version of the CRD), else the committed
+    /// one.
+    fn schema_of(&mut self, kind: &Kind) -> Arc<CrdSchema> {
+        let Some(crds) = KINDS
+            .iter()
+            .position(|k| k.plural == "customresourcedefinitions")
+        else {
+            return committed_schema();
+        };
+        let Some(stored) = self
+            .objects
+            .get(&(crds, String::new(), kind.crd_name()))
+            .cloned()
+        else {
+            return committed_schema();
+        };
+        let rv = stored["metadata"]["resourceVersion"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        if let Some((cached_rv, schema)) = &self.crd_schema {
+            if *cached_rv == rv {
+                return schema.clone();
+            }
+        }
+        let schema = serde_json::from_value::<CustomResourceDefinition>(stored)
+            .map_err(|e| e.to_string())
+            .and_then(|crd| CrdSchema::new(&crd, kind.version));
+        match schema {
+            Ok(schema) => {
+                let schema = Arc::new(schema);
+                self.crd_schema = Some((rv, schema.clone()));
+                schema
+            }
+            Err(e) => panic!(
+                "the CustomResourceDefinition {} written to the fake: {e}",
+                kind.crd_name()
+            ),
+        }
+    }
+
+    /// What kube-apiserver does to a custom resource before it stores it: prunes unknown fields
+    /// (a warning, or with `fieldValidation=Strict` a 400), applies the schema's defaults, and
+    /// validates the schema and the CEL rules (`old`: the stored object of an update, for
+    /// transition rules and ratcheting), refusing with 422.
+    fn admit(
+        &mut self,
+        k: usize,
+        name: &str,
+        obj: &mut Value,
+        old: Option<&Value>,
+        ctx: &Ctx,
+    ) -> ApiResult<()> {
+        let kind = KINDS[k];
+        if !kind.has_schema() {
+            return Ok(());
+        }
+        let schema = self.schema_of(&kind);
+        let unknown = schema.prune(obj);
+        if !unknown.is_empty() {
+            let each: Vec<String> = unknown
+                .iter()
+                .map(|f| format!("unknown field \"{f}\""))
+                .collect();
+            match ctx.field_validation.as_deref() {
+                Some("Strict") => {
+                    return Err(err(
+                        400,
+                        "BadRequest",
+                        format!(
+                        "{} in version \"{}\" cannot be handled as a {}: strict decoding error: {}",
+                        kind.kind,
+                        kind.version,
+                        kind.kind,
+                        each.join(", ")
+                    ),
+                    ))
+                }
+                Some("Ignore") => {}
+                _ => self.warnings.extend(each),
+            }
+        }
+        schema.default(obj);
+        let violations = schema.validate(obj, old);
+        if violations.is_empty() {
+            Ok(())
+        } else {
+            Err(invalid(&kind, name, &violations))
+        }
+    }
+
+    /// A server-side apply may not set a field the schema does not declare: kube-apiserver
+    /// v1.36 fails it with a 500 (structured-merge-diff cannot type the patch).
+    fn check_apply_fields(&mut self, key: &Key, patch: &Value) -> ApiResult<()> {
+        let kind = KINDS[key.0];
+        if !kind.has_schema() {
+            return Ok(());
+        }
+        let mut probe = patch.clone();
+        let unknown = self.schema_of(&kind).prune(&mut probe);
+        match unknown.first() {
+            None => Ok(()),
+            Some(field) => Err(err(
+                500,
+                "",
+                format!(
+                    "failed to create typed patch object ({}/{}; {}, Kind={}): .{field}: field not declared in schema",
+                    key.1,
+                    key.2,
+                    kind.api_version(),
+                    kind.kind
+                ),
+            )),
+        }
     }
 
     /// Records a change for watches and the history.
@@ -539,6 +782,7 @@ impl State {
             }
         }
         normalize(&kind, &mut body);
+        self.admit(k, &name, &mut body, None, ctx)?;
         if ctx.dry_run {
             return Ok(body);
         }
@@ -612,6 +856,7 @@ impl State {
             }
         }
         normalize(&kind, &mut new);
+        self.admit(key.0, &key.2, &mut new, Some(old), ctx)?;
         new["metadata"]["resourceVersion"] = old["metadata"]["resourceVersion"].clone();
         if spec_part(&new) != spec_part(old) {
             let generation = old["metadata"]["generation"].as_i64().unwrap_or(0) + 1;
@@ -758,6 +1003,10 @@ impl State {
     ) -> ApiResult<(StatusCode, Value)> {
         let kind = KINDS[key.0];
         let bad = |e: String| err(400, "BadRequest", format!("cannot decode the patch: {e}"));
+        if content_type == "application/apply-patch+yaml" {
+            let applied = parse_json_or_yaml(body).map_err(bad)?;
+            self.check_apply_fields(key, &applied)?;
+        }
         let old = match self.objects.get(key) {
             Some(o) => o.clone(),
             None if content_type == "application/apply-patch+yaml" && !status_sub => {
@@ -1366,6 +1615,7 @@ async fn handle(state: &Mutex<State>, req: Request<Incoming>) -> Response<Body> 
             .cloned()
             .or(user_agent)
             .unwrap_or_else(|| "unknown".into()),
+        field_validation: q.get("fieldValidation").cloned(),
     };
     let status_sub = match r.subresource.as_deref() {
         None => false,
@@ -1474,9 +1724,17 @@ async fn handle(state: &Mutex<State>, req: Request<Incoming>) -> Response<Body> 
             format!("{method} is not supported here"),
         )),
     };
+    let warnings = std::mem::take(&mut s.warnings);
     drop(s);
-    match result {
+    let mut response = match result {
         Ok((code, v)) => json_response(code, &v),
         Err(e) => error_response(&e),
+    };
+    for w in warnings {
+        let value = format!("299 - {}", serde_json::Value::String(w));
+        if let Ok(v) = hyper::header::HeaderValue::from_str(&value) {
+            response.headers_mut().append("warning", v);
+        }
     }
+    response
 }
