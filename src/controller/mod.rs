@@ -344,6 +344,9 @@ pub fn error_policy(_obj: Arc<DlqReplay>, error: &Error, _ctx: Arc<Context>) -> 
 }
 
 async fn apply(obj: Arc<DlqReplay>, ctx: Arc<Context>) -> Result<Action, Error> {
+    if let Some(action) = refuse_invalid_spec(&ctx, &obj).await? {
+        return Ok(action);
+    }
     let key = key_of(&obj);
     let phase = obj.status.as_ref().and_then(|s| s.phase);
     let running = ctx.tasks.lock().await.contains_key(&key);
@@ -418,6 +421,35 @@ async fn apply(obj: Arc<DlqReplay>, ctx: Arc<Context>) -> Result<Action, Error> 
         },
     );
     Ok(Action::requeue(Duration::from_secs(30)))
+}
+
+/// A spec the CRD's rules refuse (one an older CRD admitted) never starts: the replay ends
+/// `Failed`, reason `InvalidSpec`, with the fields in its message (and its Degraded condition);
+/// nothing is touched on the broker. A replay that already ended is left as it ended.
+async fn refuse_invalid_spec(ctx: &Context, obj: &DlqReplay) -> Result<Option<Action>, Error> {
+    let status = obj.status.clone().unwrap_or_default();
+    if status.phase.is_some_and(Phase::is_terminal) {
+        return Ok(None);
+    }
+    let errors = crate::manifest::validate_spec(&obj.spec);
+    if errors.is_empty() {
+        return Ok(None);
+    }
+    let fields: Vec<String> = errors.iter().map(ToString::to_string).collect();
+    let failed = DlqReplayStatus {
+        phase: Some(Phase::Failed),
+        message: Some(format!(
+            "InvalidSpec: {}; nothing was replayed: create a new replay with a valid spec",
+            fields.join("; ")
+        )),
+        finished_at: Some(chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true)),
+        ..status
+    };
+    // One attempt, as `set_pending`: a failure fails the reconcile, tried again in 5 s.
+    let once = CancellationToken::new();
+    once.cancel();
+    write_status(ctx, obj, &failed, &once).await?;
+    Ok(Some(Action::await_change()))
 }
 
 async fn cleanup(obj: Arc<DlqReplay>, ctx: Arc<Context>) -> Result<Action, Error> {
