@@ -159,6 +159,30 @@ async fn apply_runs_the_replay_to_done_with_correct_counts_and_events(c: &Cluste
         .iter()
         .any(|c| c.type_ == "Ready" && c.status == "True"));
     assert!(r.finalizers().iter().any(|f| f == controller::FINALIZER));
+    // Conditions as metav1.Condition, each with the generation it was computed for; the status
+    // is server-side applied by the operator's field manager (a real server records it).
+    let raw = c.get_json("dlqreplays", c.ns(), "done").await.unwrap();
+    let conditions = raw["status"]["conditions"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        !conditions.is_empty() && conditions.iter().all(|c| c["observedGeneration"] == 1),
+        "{raw}"
+    );
+    if c.is_real() {
+        let applied = raw["metadata"]["managedFields"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+            .into_iter()
+            .any(|m| {
+                m["manager"] == controller::MANAGER
+                    && m["operation"] == "Apply"
+                    && m["subresource"] == "status"
+            });
+        assert!(applied, "status not server-side applied: {raw}");
+    }
     // 29 replays at 20/s is about 1.5 s: throttled to a write per 0.5 s, not one per message.
     // (A real cluster does not count status writes: checked on the fake only.)
     if let Some(writes) = c.status_writes(c.ns(), "done") {

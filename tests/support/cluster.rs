@@ -168,7 +168,16 @@ impl Cluster {
         }
         match plural {
             "leases" => get(Api::<Lease>::namespaced(c, ns), name).await,
-            "dlqreplays" => get(Api::<DlqReplay>::namespaced(c, ns), name).await,
+            // As stored (DynamicObject): the typed status would drop what crate::api does not
+            // model, e.g. the conditions' observedGeneration.
+            "dlqreplays" => {
+                let ar = kube::api::ApiResource::erase::<DlqReplay>(&());
+                get(
+                    Api::<kube::api::DynamicObject>::namespaced_with(c, ns, &ar),
+                    name,
+                )
+                .await
+            }
             "secrets" => get(Api::<Secret>::namespaced(c, ns), name).await,
             other => panic!("get_json: {other} not supported on a real cluster"),
         }
