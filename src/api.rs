@@ -80,7 +80,8 @@ pub struct DlqReplaySpec {
 }
 
 /// How to reach a server: an inline URL (for local runs) or a key of a Secret in the replay's
-/// namespace. Exactly one of the two, or none when the command line supplies it.
+/// namespace; exactly one of the two. On the command line, `--amqp-url` and `--redis-url` stand in
+/// for the Secret.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ConnectionSpec {
@@ -697,9 +698,9 @@ pub fn rules() -> Vec<Rule> {
     ] {
         rules.push(Rule::new(
             at,
-            "!has(self.url) || !has(self.urlSecretRef)",
+            "has(self.url) != has(self.urlSecretRef)",
             None,
-            "give either url or urlSecretRef, not both",
+            "give exactly one of url and urlSecretRef",
         ));
         let (rule, message) = url_rule(schemes);
         rules.push(Rule {

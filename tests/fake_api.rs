@@ -1140,6 +1140,11 @@ async fn bad_specs_are_refused_naming_the_field(env: &Env) {
             "spec.broker",
         ),
         (
+            "no-broker-url",
+            json!({"broker": {"url": null}}),
+            "spec.broker",
+        ),
+        (
             "http-url",
             json!({"broker": {"url": "http://guest:s3cr3t-pw@127.0.0.1:5672/"}}),
             "spec.broker.url",

@@ -360,6 +360,17 @@ fn cases() -> Vec<Case> {
             "spec.idempotency.redis:",
         ),
         case(
+            "broker with neither url nor urlSecretRef",
+            with("    url: amqp://guest:guest@127.0.0.1:5672/%2f\n", "    {}\n")
+                .replacen("  broker:\n    {}\n", "  broker: {}\n", 1),
+            "spec.broker:",
+        ),
+        case(
+            "idempotency.redis with neither url nor urlSecretRef",
+            with("    redis:\n      url: redis://127.0.0.1:6379/0\n", "    redis: {}\n"),
+            "spec.idempotency.redis:",
+        ),
+        case(
             "broker.urlSecretRef with an empty key",
             with(
                 "    url: amqp://guest:guest@127.0.0.1:5672/%2f\n",
