@@ -462,9 +462,12 @@ pub struct DlqReplayStatus {
     /// When the replay reached a terminal phase (RFC 3339).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finished_at: Option<String>,
-    /// Standard conditions: Ready, Progressing, CanaryPassed, Degraded.
+    /// Standard conditions (`metav1.Condition`), each with the `observedGeneration` it was set
+    /// for: `Ready` (True once Done), `Progressing` (True in Canary and Draining) and `Degraded`
+    /// (True in Failed and CanaryFailed). Their reason is the CamelCase word that starts
+    /// `message` (e.g. `SourceBusy`, `OperatorStopped`, `InvalidSpec`), else the phase.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub conditions: Vec<Condition>,
+    pub conditions: Vec<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>,
     /// A one-line human summary.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
@@ -539,42 +542,6 @@ pub struct AuditRef {
     pub key: String,
     /// How many rows it holds.
     pub records: u64,
-}
-
-/// A standard Kubernetes condition.
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-#[schemars(transform = condition_observed_generation)]
-pub struct Condition {
-    /// The condition's type, e.g. `Ready`.
-    #[serde(rename = "type")]
-    pub type_: String,
-    /// `True`, `False` or `Unknown`.
-    pub status: String,
-    /// A CamelCase reason.
-    pub reason: String,
-    /// A human-readable message.
-    pub message: String,
-    /// When the status last changed (RFC 3339).
-    pub last_transition_time: String,
-}
-
-/// The operator writes its conditions as Kubernetes' own (`metav1.Condition`, server-side
-/// applied), which carry `observedGeneration`: the schema declares it, or the API server refuses
-/// the status (a server-side apply may not set a field the schema does not declare). This type
-/// reads conditions back without it.
-fn condition_observed_generation(schema: &mut schemars::Schema) {
-    if let Some(props) = schema.get_mut("properties").and_then(|p| p.as_object_mut()) {
-        props.insert(
-            "observedGeneration".into(),
-            serde_json::json!({
-                "description": "The spec generation the condition was set for.",
-                "type": "integer",
-                "format": "int64",
-                "minimum": 0,
-            }),
-        );
-    }
 }
 
 /// Spec fields that are fixed once a replay exists (everything but `suspend`): a replay is

@@ -503,13 +503,12 @@ async fn write_status(
     let previous = obj
         .status
         .as_ref()
-        .map(|s| status::from_api(&s.conditions))
+        .map(|s| s.conditions.clone())
         .unwrap_or_default();
     let mut status = next.clone();
     status.observed_generation = generation;
-    let conditions = status::conditions(&status, &previous, generation, &status::now());
-    status.conditions = status::to_api(&conditions);
-    let body = status::apply_body(&status, &conditions);
+    status.conditions = status::conditions(&status, &previous, generation, &status::now());
+    let body = status::apply_body(&status);
     let params = PatchParams::apply(MANAGER).force();
     let started = Instant::now();
     let mut delays = engine::backoff(Duration::from_secs(4));
