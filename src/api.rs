@@ -17,6 +17,9 @@ pub const GROUP: &str = "replay.dlq.dev";
 pub const API_VERSION: &str = "replay.dlq.dev/v1alpha1";
 /// The `kind` a manifest must carry.
 pub const KIND: &str = "DlqReplay";
+/// The annotation that retries a `Failed` or `CanaryFailed` replay in place: set it to a value
+/// that `status.retriedFor` does not hold yet (e.g. a timestamp).
+pub const RETRY_ANNOTATION: &str = "replay.dlq.dev/retry";
 
 /// A replay of a RabbitMQ dead-letter queue: which messages to put back, where, how fast, and
 /// which guards (poison gate, idempotency store, canary) stand in the way of a second failure.
@@ -60,8 +63,8 @@ pub struct DlqReplaySpec {
     /// The idempotency gate: drop messages whose work already happened. Absent: no gate.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idempotency: Option<IdempotencySpec>,
-    /// Where the audit trail and the replay's own state are kept. Defaults to the idempotency
-    /// store's Redis when that is set.
+    /// Where the audit trail and the replay's own state are kept (the idempotency store's Redis
+    /// when that is set), and for how long (`retentionSeconds`, 30 days by default).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub audit: Option<AuditSpec>,
     /// The rate limit of replayed messages. Absent: as fast as the broker confirms.
@@ -296,12 +299,40 @@ pub struct KeyField {
     pub default: Option<String>,
 }
 
-/// Where the audit trail and replay state live.
+/// Where the audit trail and replay state live, and for how long.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct AuditSpec {
-    /// The Redis that keeps the audit stream and the replay state.
-    pub redis: ConnectionSpec,
+    /// The Redis that keeps the audit stream and the replay state when there is no
+    /// `spec.idempotency.redis` (which keeps them when set).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub redis: Option<ConnectionSpec>,
+    /// How long the replay's Redis keys (its state, its settled marks and its audit stream) are
+    /// kept after it stops, in seconds (3600 to 315360000; default 2592000, 30 days). While it
+    /// runs (waits included) or is suspended, their expiry is set again at least every 10
+    /// minutes, so it never loses its state; once it ends (Done, CanaryFailed, Failed) or stops,
+    /// they expire this long after. Resumed or retried within that time it keeps its replay id;
+    /// later it starts over under a new one. Export the audit trail (`dlq-replay audit`) if it
+    /// must be kept longer.
+    #[serde(default = "default_retention_seconds")]
+    #[schemars(range(min = 3600, max = 315_360_000))]
+    pub retention_seconds: u64,
+}
+
+/// 30 days.
+pub const DEFAULT_RETENTION_SECONDS: u64 = 2_592_000;
+
+fn default_retention_seconds() -> u64 {
+    DEFAULT_RETENTION_SECONDS
+}
+
+impl DlqReplaySpec {
+    /// How long the replay's Redis keys are kept ([`AuditSpec::retention_seconds`]).
+    pub fn retention_seconds(&self) -> u64 {
+        self.audit
+            .as_ref()
+            .map_or(DEFAULT_RETENTION_SECONDS, |a| a.retention_seconds)
+    }
 }
 
 /// A token bucket on replayed messages.
@@ -471,6 +502,12 @@ pub struct DlqReplayStatus {
     /// A one-line human summary.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
+    /// The value of the `replay.dlq.dev/retry` annotation the operator last acted on. Setting
+    /// the annotation to any other value retries a Failed or CanaryFailed replay in place,
+    /// under the same replay id (a CanaryFailed one with new canaries); a Done replay, or one
+    /// Failed with reason InvalidSpec, is not retried (an Event says why).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retried_for: Option<String>,
 }
 
 /// Decisions so far. `scanned = replayed + duplicates + quarantined + skipped + failed`.

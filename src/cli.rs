@@ -144,6 +144,11 @@ pub struct RunArgs {
     /// backoff) before it ends Failed; 0 ends it at the first loss.
     #[arg(long, default_value_t = 60)]
     pub reconnect_timeout: u64,
+    /// Retry a replay that ended CanaryFailed, in place (same replay id): its stored end and
+    /// canary decisions are removed, so new canaries go first. A Failed or stopped replay
+    /// resumes on any rerun without it; a Done one is not reopened.
+    #[arg(long)]
+    pub retry: bool,
 }
 
 /// `plan` arguments.
@@ -322,7 +327,12 @@ pub fn resolve(resource: &DlqReplay, endpoints: &Endpoints) -> Result<Replay, Er
         .as_ref()
         .and_then(|i| i.redis.as_ref())
         .and_then(|r| r.url.clone())
-        .or_else(|| spec.audit.as_ref().and_then(|a| a.redis.url.clone()));
+        .or_else(|| {
+            spec.audit
+                .as_ref()
+                .and_then(|a| a.redis.as_ref())
+                .and_then(|r| r.url.clone())
+        });
     let redis_url = endpoints.redis_url.clone().or(inline).ok_or_else(|| {
         Error::Config(
             "no Redis URL for the audit trail: set spec.idempotency.redis.url or spec.audit.redis.url, or pass --redis-url / REDIS_URL".into(),
@@ -353,6 +363,19 @@ async fn run(args: RunArgs) -> Result<ExitCode, Error> {
         reconnect: Duration::from_secs(args.reconnect_timeout),
         ..Options::default()
     };
+    if args.retry && !replay.spec.dry_run {
+        let mut con = store::connect(&replay.redis_url).await?;
+        let (ns, name) = (&replay.namespace, replay.state_name());
+        match store::reopen(&mut con, ns, &name).await?.as_deref() {
+            Some("CanaryFailed") => eprintln!(
+                "--retry: {ns}/{name} ended CanaryFailed; retrying it in place, new canaries first"
+            ),
+            Some(phase) => eprintln!(
+                "--retry: {ns}/{name} ended {phase} and is not reopened; what it left in the queue needs a new replay (another name)"
+            ),
+            None => {}
+        }
+    }
     let status = run_with_progress(&replay, &opts, !args.no_progress).await?;
     resource.status = Some(status.clone());
     print_resource(&resource, args.output)?;
@@ -393,9 +416,14 @@ pub async fn run_with_progress(
             draw_status(&watcher, &s);
         }
     });
+    // spec.audit.retentionSeconds: the keys' expiry is kept while it runs and set at its end.
+    let retention = store::retention(replay, tx.subscribe());
     let result = engine::run(replay, opts, &tx, &cancel).await;
     drop(tx);
     let _ = draw.await;
+    if let Some(expiry) = retention {
+        let _ = tokio::time::timeout(Duration::from_secs(10), expiry).await;
+    }
     pb.finish_and_clear();
     result
 }
@@ -427,7 +455,7 @@ pub fn masked(resource: &DlqReplay) -> DlqReplay {
     let connections = [
         Some(&mut spec.broker),
         spec.idempotency.as_mut().and_then(|i| i.redis.as_mut()),
-        spec.audit.as_mut().map(|a| &mut a.redis),
+        spec.audit.as_mut().and_then(|a| a.redis.as_mut()),
     ];
     for c in connections.into_iter().flatten() {
         if let Some(u) = c.url.as_mut() {

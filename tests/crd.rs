@@ -367,3 +367,30 @@ fn crd_describes_the_default_burst_as_the_engine_uses_it() {
         "{description}"
     );
 }
+
+/// `kubectl explain dlqreplay.spec.audit.retentionSeconds`: the bounds and the default are the
+/// schema's, and the description says them and what expires.
+#[test]
+fn crd_bounds_and_describes_the_retention() {
+    let crd = generated();
+    let retention = node(root(&crd), "spec.audit.retentionSeconds");
+    assert_eq!(
+        (retention.minimum, retention.maximum),
+        (Some(3600.0), Some(315_360_000.0))
+    );
+    assert_eq!(
+        retention.default.as_ref().map(|d| d.0.clone()),
+        Some(serde_json::json!(2_592_000))
+    );
+    let description = retention.description.as_deref().unwrap_or("");
+    for said in ["3600", "30 days", "audit stream", "replay id"] {
+        assert!(description.contains(said), "{said}: {description}");
+    }
+    // The audit Redis is optional: `audit` may give only the retention.
+    let audit = node(root(&crd), "spec.audit");
+    assert!(
+        audit.required.as_ref().is_none_or(|r| r.is_empty()),
+        "{:?}",
+        audit.required
+    );
+}

@@ -395,6 +395,16 @@ fn cases() -> Vec<Case> {
             "spec.audit.redis.url:",
         ),
         case(
+            "audit.retentionSeconds under an hour",
+            with("  rate:\n", "  audit:\n    retentionSeconds: 600\n  rate:\n"),
+            "spec.audit.retentionSeconds:",
+        ),
+        case(
+            "audit.retentionSeconds past ten years",
+            with("  rate:\n", "  audit:\n    retentionSeconds: 400000000\n  rate:\n"),
+            "spec.audit.retentionSeconds:",
+        ),
+        case(
             "broker.urlSecretRef with an empty name",
             with(
                 "    url: amqp://guest:guest@127.0.0.1:5672/%2f\n",
@@ -532,6 +542,23 @@ fn the_base_manifest_parses() {
     let rate = r.spec.rate.as_ref().expect("rate");
     assert_eq!((rate.messages_per_second, rate.burst), (50, Some(10)));
     assert_eq!(r.spec.canary.wait_seconds, 60);
+    // No `audit`: the keys are kept 30 days after the replay stops.
+    assert_eq!(r.spec.retention_seconds(), 2_592_000);
+}
+
+/// `audit` may give only the retention: the audit trail then lives in the idempotency Redis.
+#[test]
+fn audit_may_give_only_the_retention() {
+    let yaml = with(
+        "  rate:\n",
+        "  audit:\n    retentionSeconds: 86400\n  rate:\n",
+    );
+    let r = manifest::parse(&yaml).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(r.spec.retention_seconds(), 86_400);
+    assert!(r.spec.audit.as_ref().is_some_and(|a| a.redis.is_none()));
+    let yaml = with("  rate:\n", "  audit: {}\n  rate:\n");
+    let r = manifest::parse(&yaml).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(r.spec.retention_seconds(), 2_592_000);
 }
 
 #[test]

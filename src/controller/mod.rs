@@ -29,7 +29,9 @@ use kube::{Client, Resource, ResourceExt};
 use tokio::sync::{watch, Mutex};
 use tokio_util::sync::CancellationToken;
 
-use crate::api::{CanaryResult, ConnectionSpec, DlqReplay, DlqReplayStatus, Phase};
+use crate::api::{
+    CanaryResult, ConnectionSpec, DlqReplay, DlqReplayStatus, Phase, RETRY_ANNOTATION,
+};
 use crate::engine::{self, Replay};
 
 /// The finalizer that lets a deleted replay settle its in-flight messages first.
@@ -361,7 +363,7 @@ async fn apply(obj: Arc<DlqReplay>, ctx: Arc<Context>) -> Result<Action, Error> 
         return Ok(Action::requeue(Duration::from_secs(30)));
     }
     if phase.is_some_and(Phase::is_terminal) {
-        return Ok(Action::await_change());
+        return retry_if_asked(&ctx, &obj).await;
     }
     if obj.spec.suspend {
         let mut msg = "suspended by spec.suspend; set it to false to resume".to_string();
@@ -369,7 +371,10 @@ async fn apply(obj: Arc<DlqReplay>, ctx: Arc<Context>) -> Result<Action, Error> 
             msg = format!("{msg}; {note}");
         }
         set_pending(&ctx, &obj, Phase::Suspended, &msg).await?;
-        return Ok(Action::await_change());
+        // However long it stays suspended, its Redis state is kept (spec.audit.retentionSeconds
+        // is at least an hour).
+        keep_state(&ctx, &obj).await;
+        return Ok(Action::requeue(KEEP_SUSPENDED));
     }
     let replay = match resolve(&ctx.client, &obj).await {
         Ok(r) => r,
@@ -421,6 +426,114 @@ async fn apply(obj: Arc<DlqReplay>, ctx: Arc<Context>) -> Result<Action, Error> 
         },
     );
     Ok(Action::requeue(Duration::from_secs(30)))
+}
+
+/// A finished replay whose [`RETRY_ANNOTATION`] holds a value its status has not acted on yet
+/// (`status.retriedFor`): a `Failed` or `CanaryFailed` one goes back to `Pending` under the same
+/// replay id, and the next reconcile runs it again. The engine resumes it as a rerun would
+/// (what is settled stays settled); a `CanaryFailed` one first has its stored end and canary
+/// decisions removed from Redis, so it sends new canaries. `Done` (every selected message has
+/// its outcome) and `Failed` with reason `InvalidSpec` (the spec is immutable, so it would fail
+/// alike) are not retried: a Warning Event says why.
+async fn retry_if_asked(ctx: &Context, obj: &DlqReplay) -> Result<Action, Error> {
+    let status = obj.status.clone().unwrap_or_default();
+    let Some(asked) = obj.annotations().get(RETRY_ANNOTATION).cloned() else {
+        return Ok(Action::await_change());
+    };
+    if status.retried_for.as_deref() == Some(asked.as_str()) {
+        return Ok(Action::await_change());
+    }
+    let phase = status.phase.unwrap_or(Phase::Pending);
+    let refused = match phase {
+        Phase::Done => Some("it is Done: every selected message has its outcome; what is left in the queue needs a new replay"),
+        _ if status::reason_of(&status) == "InvalidSpec" => Some("its spec is invalid and immutable, so it would fail alike; create a new replay with a valid spec"),
+        _ => None,
+    };
+    let once = CancellationToken::new();
+    once.cancel();
+    if let Some(why) = refused {
+        let written = DlqReplayStatus {
+            retried_for: Some(asked.clone()),
+            ..status
+        };
+        write_status(ctx, obj, &written, &once).await?;
+        let note = format!("{RETRY_ANNOTATION}={asked:?} not acted on: {why}");
+        emit(ctx, obj, true, "RetryRefused", Some(note)).await;
+        return Ok(Action::await_change());
+    }
+    let replay = match resolve(&ctx.client, obj).await {
+        Ok(r) => r,
+        Err(why) => {
+            tracing::warn!(replay = %key_of(obj), %why, "retry asked; trying again");
+            return Ok(Action::requeue(Duration::from_secs(5)));
+        }
+    };
+    // Before the status says Pending: a retry whose status write fails is asked again, and
+    // reopening twice changes nothing.
+    let reopen = async {
+        let mut con = engine::store::connect(&replay.redis_url).await?;
+        engine::store::reopen(&mut con, &replay.namespace, &replay.state_name()).await
+    };
+    match tokio::time::timeout(API_CALL_TIMEOUT, reopen).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => {
+            tracing::warn!(replay = %key_of(obj), error = %e, "retry asked: reopening its Redis state; trying again");
+            return Ok(Action::requeue(Duration::from_secs(5)));
+        }
+        Err(_) => {
+            tracing::warn!(replay = %key_of(obj), "retry asked: Redis did not answer within 5 s; trying again");
+            return Ok(Action::requeue(Duration::from_secs(5)));
+        }
+    }
+    let canaries = if phase == Phase::CanaryFailed {
+        "; new canaries go first"
+    } else {
+        ""
+    };
+    let pending = DlqReplayStatus {
+        phase: Some(Phase::Pending),
+        message: Some(format!(
+            "Retrying: {RETRY_ANNOTATION}={asked:?} retries the {phase} replay in place, under the same replay id{canaries}"
+        )),
+        retried_for: Some(asked),
+        finished_at: None,
+        canary: if phase == Phase::CanaryFailed {
+            Vec::new()
+        } else {
+            status.canary.clone()
+        },
+        ..status
+    };
+    write_status(ctx, obj, &pending, &once).await?;
+    Ok(Action::requeue(Duration::from_secs(1)))
+}
+
+/// How often the Redis keys of a suspended replay get their full retention again.
+const KEEP_SUSPENDED: Duration = Duration::from_secs(600);
+
+/// Set the expiry of a replay's Redis keys to its retention from now; best effort (a replay
+/// whose Secrets or Redis are not there has nothing to keep, or is kept at the next turn).
+async fn keep_state(ctx: &Context, obj: &DlqReplay) {
+    if obj.spec.dry_run {
+        return;
+    }
+    let Ok(replay) = resolve(&ctx.client, obj).await else {
+        return;
+    };
+    let keep = async {
+        let mut con = engine::store::connect(&replay.redis_url).await?;
+        let (ns, name) = (&replay.namespace, replay.state_name());
+        engine::store::retain(&mut con, ns, &name, replay.spec.retention_seconds()).await
+    };
+    match tokio::time::timeout(API_CALL_TIMEOUT, keep).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, replay = %key_of(obj), "keeping the Redis state of a suspended replay")
+        }
+        Err(_) => {
+            tracing::warn!(replay = %key_of(obj), "keeping the Redis state of a suspended replay: no answer within 5 s")
+        }
+    }
 }
 
 /// A spec the CRD's rules refuse (one an older CRD admitted) never starts: the replay ends
@@ -507,6 +620,10 @@ async fn write_status(
         .unwrap_or_default();
     let mut status = next.clone();
     status.observed_generation = generation;
+    // The engine's statuses do not know which retry they run for: the operator's record stays.
+    if status.retried_for.is_none() {
+        status.retried_for = obj.status.as_ref().and_then(|s| s.retried_for.clone());
+    }
     status.conditions = status::conditions(&status, &previous, generation, &status::now());
     let body = status::apply_body(&status);
     let params = PatchParams::apply(MANAGER).force();
@@ -623,6 +740,8 @@ async fn drive(
 ) {
     let key = key_of(&obj);
     let (tx, mut rx) = watch::channel(obj.status.clone().unwrap_or_default());
+    // spec.audit.retentionSeconds: the keys' expiry is kept while it runs and set at its end.
+    let retention = engine::store::retention(&replay, tx.subscribe());
     let writer_ctx = ctx.clone();
     let writer_obj = obj.clone();
     let interval = ctx.settings.status_interval;
@@ -682,6 +801,10 @@ async fn drive(
             tracing::warn!(error = %e, replay = %key, "writing the final status");
         }
     }
+    if let Some(expiry) = retention {
+        // Bounded: a Redis that does not answer must not hold a shutdown.
+        let _ = tokio::time::timeout(API_CALL_TIMEOUT, expiry).await;
+    }
     ctx.tasks.lock().await.remove(&key);
     tracing::info!(replay = %key, phase = ?final_status.phase, "replay task ended");
 }
@@ -695,7 +818,11 @@ pub async fn resolve(client: &Client, obj: &DlqReplay) -> Result<Replay, String>
         .idempotency
         .as_ref()
         .and_then(|i| i.redis.as_ref().map(|r| (r, "spec.idempotency.redis")))
-        .or_else(|| spec.audit.as_ref().map(|a| (&a.redis, "spec.audit.redis")))
+        .or_else(|| {
+            spec.audit
+                .as_ref()
+                .and_then(|a| a.redis.as_ref().map(|r| (r, "spec.audit.redis")))
+        })
         .ok_or_else(|| "NoRedis: set spec.idempotency.redis or spec.audit.redis".to_string())?;
     let redis_url = url_of(client, &ns, redis.0, redis.1).await?;
     Ok(Replay {
