@@ -502,10 +502,11 @@ pub struct DlqReplayStatus {
     /// A one-line human summary.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
-    /// The value of the `replay.dlq.dev/retry` annotation the operator last acted on. Setting
-    /// the annotation to any other value retries a Failed or CanaryFailed replay in place,
-    /// under the same replay id (a CanaryFailed one with new canaries); a Done replay, or one
-    /// Failed with reason InvalidSpec, is not retried (an Event says why).
+    /// The value of the `replay.dlq.dev/retry` annotation the operator last acted on (or found
+    /// when the replay started). Setting the annotation to any other value retries a Failed or
+    /// CanaryFailed replay in place, under the same replay id (a CanaryFailed one with new
+    /// canaries); a Done replay, or one Failed with reason InvalidSpec, is not retried (an Event
+    /// says why).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retried_for: Option<String>,
 }

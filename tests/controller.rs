@@ -562,6 +562,14 @@ async fn a_failed_replay_is_retried_in_place_under_the_same_replay_id(c: &Cluste
     );
     let mut r = resource(&w, c.ns(), "retry", &extra);
     r.spec.audit.as_mut().unwrap().retention_seconds = 7200;
+    // A value the manifest carries from the start is not a retry.
+    r.metadata.annotations = Some(
+        [(
+            dlq_replay::api::RETRY_ANNOTATION.to_string(),
+            "0".to_string(),
+        )]
+        .into(),
+    );
     api.create(&PostParams::default(), &r).await.unwrap();
     let before = wait_for(&api, "retry", "some progress", |r| {
         r.status.as_ref().is_some_and(|s| s.counts.replayed >= 5)
@@ -587,7 +595,8 @@ async fn a_failed_replay_is_retried_in_place_under_the_same_replay_id(c: &Cluste
         "{s:?}"
     );
     assert!(s.counts.replayed < 60, "{s:?}");
-    // Nothing happens without the annotation.
+    assert_eq!(s.retried_for.as_deref(), Some("0"), "{s:?}");
+    // Nothing happens until the annotation changes.
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(phase(&api.get("retry").await.unwrap()), Some(Phase::Failed));
 

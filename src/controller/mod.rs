@@ -411,7 +411,7 @@ async fn apply(obj: Arc<DlqReplay>, ctx: Arc<Context>) -> Result<Action, Error> 
     let by_user = Arc::new(AtomicBool::new(false));
     let handle = tokio::spawn(drive(
         ctx.clone(),
-        obj.clone(),
+        with_retry_recorded(obj),
         replay,
         cancel.clone(),
         by_user.clone(),
@@ -506,6 +506,21 @@ async fn retry_if_asked(ctx: &Context, obj: &DlqReplay) -> Result<Action, Error>
     };
     write_status(ctx, obj, &pending, &once).await?;
     Ok(Action::requeue(Duration::from_secs(1)))
+}
+
+/// A replay about to run with a [`RETRY_ANNOTATION`] value its status has not recorded (its
+/// manifest carried one from the start): the value is recorded as acted on by its first status
+/// write, so that only another value retries it once it ended.
+fn with_retry_recorded(obj: Arc<DlqReplay>) -> Arc<DlqReplay> {
+    let recorded = obj.status.as_ref().and_then(|s| s.retried_for.as_ref());
+    match obj.annotations().get(RETRY_ANNOTATION) {
+        Some(v) if recorded.is_none() => {
+            let mut o = (*obj).clone();
+            o.status.get_or_insert_with(Default::default).retried_for = Some(v.clone());
+            Arc::new(o)
+        }
+        _ => obj,
+    }
 }
 
 /// How often the Redis keys of a suspended replay get their full retention again.
