@@ -7,13 +7,22 @@
 //! `--batch 1024`), `DLQ_REPLAY_BIN` (default `target/release/dlq-replay`). `AMQP_URL`
 //! and `REDIS_URL` as for the binary. An example rather than a `[[bench]]` so that it shares the
 //! release profile's artifacts: `cargo run --release --example bench` builds nothing twice.
+//!
+//! The throughput part runs one section per broker and queue type, all alternating in one run,
+//! each with its own Shovel median for "vs Shovel": `BENCH_QUEUES` (default `classic,quorum`)
+//! picks the queue types on RabbitMQ 3.10 (`AMQP_URL`, its `rabbitmqctl`); `BENCH_BROKERS`
+//! (default `3.10` plus `4` when RabbitMQ 4 answers at `AMQP4_URL`, default
+//! amqp://guest:guest@127.0.0.1:5673/%2f, its `rabbitmqctl` being `.ci/rabbitmq4 ctl`) picks the
+//! brokers. RabbitMQ 4 runs the quorum section only. The work queue, the DLQ, the quarantine
+//! queue and the Shovel's destination are all of the section's type. Rate accuracy and memory
+//! growth run on RabbitMQ 3.10 with classic queues, as before.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use dlq_replay::engine::{self, key::key_of, store};
-use dlq_replay::fixture::{self, Topology};
+use dlq_replay::fixture::{self, QueueType, Topology};
 use futures::StreamExt;
 use lapin::options::{
     BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions, QueueDeleteOptions,
@@ -87,17 +96,98 @@ impl Run {
     }
 }
 
-struct Bench {
+/// A RabbitMQ the bench runs against.
+struct Broker {
+    /// `3.10` or `4`, as BENCH_BROKERS names it; in labels.
+    name: &'static str,
     amqp: String,
+    conn: Connection,
+    /// The program and leading arguments that make its `rabbitmqctl`.
+    ctl: Vec<String>,
+    /// The URI the Shovel (inside the broker) connects to, for its source and destination.
+    shovel_uri: String,
+    /// The RabbitMQ node (beam.smp), for its CPU time.
+    pid: Option<u32>,
+    version: String,
+}
+
+impl Broker {
+    /// `rabbitmqctl ARGS` of this broker, to spawn.
+    fn ctl(&self, args: &[&str]) -> tokio::process::Command {
+        let mut c = tokio::process::Command::new(&self.ctl[0]);
+        c.args(&self.ctl[1..]).args(args);
+        c
+    }
+
+    /// `rabbitmqctl ARGS` run to its end: its stdout (empty if it failed to start).
+    fn ctl_out(&self, args: &[&str]) -> String {
+        let all: Vec<&str> = self.ctl[1..]
+            .iter()
+            .map(String::as_str)
+            .chain(args.iter().copied())
+            .collect();
+        cmd_out(&self.ctl[0], &all)
+    }
+}
+
+/// One throughput section: a broker and the type of every queue of its runs.
+#[derive(Debug, Clone)]
+struct Section {
+    /// Index into `Bench::brokers`.
+    broker: usize,
+    queue_type: QueueType,
+    /// e.g. `quorum DLQ (RabbitMQ 3.10)`.
+    label: String,
+    /// Prepended to scenario names (empty for classic on 3.10, which keeps its old names).
+    tag: String,
+}
+
+impl Section {
+    /// RabbitMQ 3.10, classic queues: the rate-accuracy and memory runs.
+    fn classic_3_10() -> Self {
+        Section::new(0, "3.10", QueueType::Classic)
+    }
+
+    fn new(broker: usize, broker_name: &str, queue_type: QueueType) -> Self {
+        let tag = if broker == 0 && queue_type == QueueType::Classic {
+            String::new()
+        } else {
+            let q = match queue_type {
+                QueueType::Classic => 'c',
+                QueueType::Quorum => 'q',
+            };
+            format!("{q}{}-", broker_name.split('.').next().unwrap_or("x"))
+        };
+        Section {
+            broker,
+            queue_type,
+            label: format!("{queue_type} DLQ (RabbitMQ {broker_name})"),
+            tag,
+        }
+    }
+
+    /// `, quorum DLQ (RabbitMQ 3.10)` in progress lines, nothing for the classic 3.10 runs.
+    fn note(&self) -> String {
+        if self.tag.is_empty() {
+            String::new()
+        } else {
+            format!(", {}", self.label)
+        }
+    }
+}
+
+struct Bench {
     redis_url: String,
     bin: PathBuf,
     run_id: String,
-    conn: Connection,
+    /// RabbitMQ 3.10 first (always: rate accuracy and memory run there), then RabbitMQ 4 when
+    /// BENCH_BROKERS asks for it and it answers.
+    brokers: Vec<Broker>,
+    choice: BrokerChoice,
     redis: ConnectionManager,
     time_rss: bool,
     /// Extra arguments of `dlq-replay run`, from BENCH_RUN_ARGS (e.g. `--batch 1024`).
     run_args: Vec<String>,
-    broker_pid: Option<u32>,
     redis_pid: Option<u32>,
     clk_tck: f64,
     problems: Vec<String>,
@@ -114,25 +204,44 @@ async fn main() {
     let n = env_usize("BENCH_N", 50_000);
     let reps = env_usize("BENCH_REPS", 3).max(3);
     let mem = std::env::var("BENCH_MEM").map(|v| v != "0").unwrap_or(true);
+    let queues = env_queues();
     let mut b = Bench::new().await;
-    header(&b, &args, n, reps, mem).await;
-    enable_shovel();
+    let sections = b.sections(&queues);
+    header(&b, &args, n, reps, mem, &sections).await;
+    for broker in &b.brokers {
+        enable_shovel(broker);
+    }
 
-    // Throughput: shovel, Check, Claim, alternating.
-    let mut shovel = Vec::new();
-    let mut check = Vec::new();
-    let mut claim = Vec::new();
+    // Throughput: shovel, Check, Claim, alternating, section after section within each round.
+    let mut shovel = vec![Vec::new(); sections.len()];
+    let mut check = vec![Vec::new(); sections.len()];
+    let mut claim = vec![Vec::new(); sections.len()];
     println!(
-        "\n== throughput: N = {n} messages of ~{BODY_BYTES} B JSON, {reps} runs each, alternating"
+        "\n== throughput: N = {n} messages of ~{BODY_BYTES} B JSON, {reps} runs each, alternating; sections: {}",
+        sections
+            .iter()
+            .map(|s| s.label.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     for rep in 1..=reps {
-        shovel.push(b.shovel(rep, n).await);
-        check.push(b.replay(&format!("check{rep}"), n, "Check", None).await.0);
-        claim.push(b.replay(&format!("claim{rep}"), n, "Claim", None).await.0);
+        for (i, s) in sections.iter().enumerate() {
+            let t = &s.tag;
+            shovel[i].push(b.shovel(s, rep, n).await);
+            check[i].push(
+                b.replay(s, &format!("{t}check{rep}"), n, "Check", None)
+                    .await
+                    .0,
+            );
+            claim[i].push(
+                b.replay(s, &format!("{t}claim{rep}"), n, "Claim", None)
+                    .await
+                    .0,
+            );
+        }
     }
-    let shovel_median = median(shovel.iter().map(Run::rate));
     println!(
-        "\n== throughput table (N = {n}; msg/s = N / wall; dlq-replay: 10 % duplicates in Redis, audit on, canary off, no rate limit)"
+        "\n== throughput table (N = {n}; msg/s = N / wall; dlq-replay: 10 % duplicates in Redis, audit on, canary off, no rate limit; vs Shovel: against the Shovel median of the same broker and queue type)"
     );
     println!(
         "{:<19} {:>4} {:>12} {:>13} {:>11} {:>9} {:>14} {:>14} {:>10} {:>12} {:>11}",
@@ -148,28 +257,44 @@ async fn main() {
         "broker CPU/s",
         "other CPU/s"
     );
-    for (name, runs) in [
-        ("shovel (on-confirm)", &shovel),
-        ("dlq-replay Check", &check),
-        ("dlq-replay Claim", &claim),
-    ] {
-        table_row(name, runs, shovel_median);
+    if sections.is_empty() {
+        println!("(no throughput section: BENCH_QUEUES and BENCH_BROKERS select none)");
     }
-    println!("  proc CPU/s: dlq-replay's (user+sys) CPU seconds per wall second (1.0 = one core busy); broker CPU/s: the same for the RabbitMQ node (beam.smp); other CPU/s: the machine's busy time (/proc/stat) less dlq-replay, broker, Redis and this harness, floored at 0: other work on the machine, i.e. noise (approximate); the machine has {} cores.", nproc());
-    for (name, runs) in [("dlq-replay Check", &check), ("dlq-replay Claim", &claim)] {
-        let user = median(runs.iter().filter_map(|r| r.cpu.map(|c| c.0 / r.wall)));
-        let sys = median(runs.iter().filter_map(|r| r.cpu.map(|c| c.1 / r.wall)));
-        let redis = median(runs.iter().map(|r| r.usage.redis / r.wall));
-        let us = median(
-            runs.iter()
-                .filter_map(|r| r.cpu.map(|c| (c.0 + c.1) * 1e6 / r.n as f64)),
-        );
+    for (i, s) in sections.iter().enumerate() {
+        println!("{}:", s.label);
+        let shovel_median = median(shovel[i].iter().map(Run::rate));
+        for (name, runs) in [
+            ("shovel (on-confirm)", &shovel[i]),
+            ("dlq-replay Check", &check[i]),
+            ("dlq-replay Claim", &claim[i]),
+        ] {
+            table_row(name, runs, shovel_median);
+        }
+    }
+    println!("  proc CPU/s: dlq-replay's (user+sys) CPU seconds per wall second (1.0 = one core busy); broker CPU/s: the same for the RabbitMQ node (beam.smp) of the section; other CPU/s: the machine's busy time (/proc/stat) less dlq-replay, that broker, Redis and this harness, floored at 0: other work on the machine, i.e. noise (approximate; another broker's idle load counts there); the machine has {} cores.", nproc());
+    for (i, s) in sections.iter().enumerate() {
+        for (name, runs) in [
+            ("dlq-replay Check", &check[i]),
+            ("dlq-replay Claim", &claim[i]),
+        ] {
+            let user = median(runs.iter().filter_map(|r| r.cpu.map(|c| c.0 / r.wall)));
+            let sys = median(runs.iter().filter_map(|r| r.cpu.map(|c| c.1 / r.wall)));
+            let redis = median(runs.iter().map(|r| r.usage.redis / r.wall));
+            let us = median(
+                runs.iter()
+                    .filter_map(|r| r.cpu.map(|c| (c.0 + c.1) * 1e6 / r.n as f64)),
+            );
+            println!(
+                "  {}, {name}: median user {user:.2} + sys {sys:.2} CPU/s, {us:.0} us CPU per message; Redis {redis:.2} CPU/s",
+                s.label
+            );
+        }
+        let shovel_redis = median(shovel[i].iter().map(|r| r.usage.redis / r.wall));
         println!(
-            "  {name}: median user {user:.2} + sys {sys:.2} CPU/s, {us:.0} us CPU per message; Redis {redis:.2} CPU/s"
+            "  {}, shovel: Redis {shovel_redis:.2} CPU/s (idle, as expected)",
+            s.label
         );
     }
-    let shovel_redis = median(shovel.iter().map(|r| r.usage.redis / r.wall));
-    println!("  shovel: Redis {shovel_redis:.2} CPU/s (idle, as expected)");
 
     // Rate accuracy.
     println!("\n== rate accuracy (arrival times on the target queue, from a consumer started before the replay)");
@@ -195,9 +320,10 @@ async fn main() {
 
     // Memory growth.
     println!("\n== memory growth (Check mode, same setup as the throughput runs)");
-    let small = b.replay("mem10k", 10_000, "Check", None).await.0;
+    let base = Section::classic_3_10();
+    let small = b.replay(&base, "mem10k", 10_000, "Check", None).await.0;
     let big = if mem {
-        Some(b.replay("mem100k", 100_000, "Check", None).await.0)
+        Some(b.replay(&base, "mem100k", 100_000, "Check", None).await.0)
     } else {
         println!("  N = 100000 skipped (BENCH_MEM=0)");
         None
@@ -246,6 +372,29 @@ impl Bench {
         let conn = engine::connect_amqp(&amqp, "dlq-replay bench")
             .await
             .expect("broker");
+        let mut v3 = Broker {
+            name: "3.10",
+            amqp,
+            conn,
+            ctl: vec!["rabbitmqctl".into()],
+            shovel_uri: "amqp://guest:guest@127.0.0.1".into(),
+            pid: None,
+            version: String::new(),
+        };
+        v3.version = v3.ctl_out(&["-q", "version"]).trim().to_string();
+        v3.pid = node_pid(&v3).or_else(|| oldest_process("beam.smp"));
+        let mut brokers = vec![v3];
+        let choice = env_brokers();
+        if choice.v4 {
+            match Broker::v4().await {
+                Ok(b) => brokers.push(b),
+                Err(why) if choice.v4_required => {
+                    eprintln!("bench: BENCH_BROKERS asks for RabbitMQ 4 but {why}");
+                    std::process::exit(2);
+                }
+                Err(why) => println!("RabbitMQ 4: skipped, {why} (run .ci/rabbitmq4)"),
+            }
+        }
         let redis = store::connect(&redis_url).await.expect("redis");
         let bin = std::env::var_os("DLQ_REPLAY_BIN")
             .map(PathBuf::from)
@@ -262,18 +411,17 @@ impl Bench {
         );
         let tmp = tempfile::tempdir().expect("tempdir");
         let time_rss = time_works(tmp.path());
-        let broker_pid = oldest_process("beam.smp");
         let redis_pid = oldest_process("redis-server");
         let clk_tck = cmd_out("getconf", &["CLK_TCK"])
             .trim()
             .parse()
             .unwrap_or(100.0);
         Self {
-            amqp,
             redis_url,
             bin,
             run_id: uuid::Uuid::new_v4().simple().to_string()[..6].to_string(),
-            conn,
+            brokers,
+            choice,
             redis,
             time_rss,
             run_args: std::env::var("BENCH_RUN_ARGS")
@@ -281,7 +429,6 @@ impl Bench {
                 .split_whitespace()
                 .map(String::from)
                 .collect(),
-            broker_pid,
             redis_pid,
             clk_tck,
             problems: Vec::new(),
@@ -289,19 +436,44 @@ impl Bench {
         }
     }
 
+    /// The throughput sections: RabbitMQ 3.10 with each of `queues`, then RabbitMQ 4 (when
+    /// there) with quorum queues if `queues` has them.
+    fn sections(&self, queues: &[QueueType]) -> Vec<Section> {
+        let mut out = Vec::new();
+        for (i, broker) in self.brokers.iter().enumerate() {
+            for &q in queues {
+                // BENCH_BROKERS=4 leaves RabbitMQ 3.10 connected (rate accuracy and memory run
+                // there) but without a throughput section.
+                let run = match i {
+                    0 => self.choice.v3,
+                    _ => q == QueueType::Quorum,
+                };
+                if run {
+                    out.push(Section::new(i, broker.name, q));
+                }
+            }
+        }
+        out
+    }
+
     fn prefix(&self, scenario: &str) -> String {
         format!("bench-{}-{scenario}", self.run_id)
     }
 
-    async fn channel(&self) -> Channel {
-        self.conn.create_channel().await.expect("channel")
+    async fn channel(&self, s: &Section) -> Channel {
+        self.brokers[s.broker]
+            .conn
+            .create_channel()
+            .await
+            .expect("channel")
     }
 
-    fn cpu(&self) -> Usage {
+    /// CPU counters now, the broker's being that of section `s`.
+    fn cpu(&self, s: &Section) -> Usage {
         let t = |pid: Option<u32>| pid.map(|p| proc_cpu(p) / self.clk_tck).unwrap_or(0.0);
         let (busy, iowait) = machine_cpu();
         Usage {
-            broker: t(self.broker_pid),
+            broker: t(self.brokers[s.broker].pid),
             redis: t(self.redis_pid),
             harness: t(Some(std::process::id())),
             busy: busy / self.clk_tck,
@@ -309,11 +481,12 @@ impl Bench {
         }
     }
 
-    /// A fresh topology under `prefix` whose DLQ holds `n` bench jobs with real x-death headers.
-    async fn build_dlq(&self, prefix: &str, n: usize) -> Topology {
+    /// A fresh topology under `prefix`, of the section's broker and queue type, whose DLQ holds
+    /// `n` bench jobs with real x-death headers.
+    async fn build_dlq(&self, s: &Section, prefix: &str, n: usize) -> Topology {
         let t = Instant::now();
-        let topo = Topology::named(prefix);
-        let ch = self.channel().await;
+        let topo = Topology::named(prefix).of_type(s.queue_type);
+        let ch = self.channel(s).await;
         topo.declare(&ch).await.expect("topology");
         fixture::dead_letter(&ch, &topo, jobs(n))
             .await
@@ -329,8 +502,8 @@ impl Bench {
         topo
     }
 
-    async fn drop_topology(&self, topo: &Topology, extra_queues: &[&str]) {
-        let ch = self.channel().await;
+    async fn drop_topology(&self, s: &Section, topo: &Topology, extra_queues: &[&str]) {
+        let ch = self.channel(s).await;
         let _ = topo.delete(&ch).await;
         for q in extra_queues {
             let _ = ch
@@ -344,34 +517,35 @@ impl Bench {
         fixture::depth(ch, q).await.expect("depth")
     }
 
-    /// RabbitMQ's dynamic Shovel moving the DLQ to a plain queue.
-    async fn shovel(&mut self, rep: usize, n: usize) -> Run {
-        let prefix = self.prefix(&format!("shovel{rep}"));
-        let topo = self.build_dlq(&prefix, n).await;
+    /// RabbitMQ's dynamic Shovel moving the DLQ to a plain queue of the same type.
+    async fn shovel(&mut self, s: &Section, rep: usize, n: usize) -> Run {
+        let prefix = self.prefix(&format!("{}shovel{rep}", s.tag));
+        let topo = self.build_dlq(s, &prefix, n).await;
         let dest = format!("{prefix}.dest");
-        let ch = self.channel().await;
+        let ch = self.channel(s).await;
         ch.queue_declare(
             dest.as_str().into(),
             QueueDeclareOptions::durable(),
-            FieldTable::default(),
+            topo.queue_args(),
         )
         .await
         .expect("dest queue");
         let name = format!("{prefix}-shovel");
+        let uri = &self.brokers[s.broker].shovel_uri;
         let def = json!({
             "src-protocol": "amqp091",
-            "src-uri": "amqp://guest:guest@127.0.0.1",
+            "src-uri": uri,
             "src-queue": topo.dlq,
             "dest-protocol": "amqp091",
-            "dest-uri": "amqp://guest:guest@127.0.0.1",
+            "dest-uri": uri,
             "dest-queue": dest,
             "ack-mode": "on-confirm",
             "src-delete-after": "queue-length",
         })
         .to_string();
         let spawned = Instant::now();
-        let mut child = tokio::process::Command::new("rabbitmqctl")
-            .args(["-q", "set_parameter", "shovel", &name, &def])
+        let mut child = self.brokers[s.broker]
+            .ctl(&["-q", "set_parameter", "shovel", &name, &def])
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -386,7 +560,7 @@ impl Bench {
         let done = loop {
             if returned.is_none() {
                 if let Some(st) = child.try_wait().expect("rabbitmqctl wait") {
-                    returned = Some((Instant::now(), self.cpu()));
+                    returned = Some((Instant::now(), self.cpu(s)));
                     if !st.success() {
                         let mut err = String::new();
                         if let Some(mut e) = child.stderr.take() {
@@ -402,7 +576,7 @@ impl Bench {
             let dst = self.depth(&ch, &dest).await;
             let now = Instant::now();
             if first_move.is_none() && (src < n as u32 || dst > 0) {
-                first_move = Some((now, self.cpu()));
+                first_move = Some((now, self.cpu(s)));
             }
             if src == 0 && dst as usize >= n && returned.is_some() {
                 break now;
@@ -415,7 +589,7 @@ impl Bench {
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         };
-        let usage1 = self.cpu();
+        let usage1 = self.cpu(s);
         let (returned, at_return) = returned.expect("returned");
         let (start, usage0) = match first_move {
             Some((m, u)) if m < returned => (m, u),
@@ -423,18 +597,19 @@ impl Bench {
         };
         let usage = usage1 - usage0;
         let wall = done.duration_since(start).as_secs_f64();
-        let _ = std::process::Command::new("rabbitmqctl")
-            .args(["-q", "clear_parameter", "shovel", &name])
+        let _ = self.brokers[s.broker]
+            .ctl(&["-q", "clear_parameter", "shovel", &name])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
-            .status();
+            .status()
+            .await;
         let dst = self.depth(&ch, &dest).await;
         if dst as usize != n {
             self.problems
                 .push(format!("{prefix}: destination holds {dst}, expected {n}"));
         }
         let _ = ch.close(200, "ok".into()).await;
-        self.drop_topology(&topo, &[&dest]).await;
+        self.drop_topology(s, &topo, &[&dest]).await;
         let run = Run {
             n,
             wall,
@@ -443,7 +618,8 @@ impl Bench {
             usage,
         };
         println!(
-            "  shovel run {rep}: {wall:.2}s, {:.0} msg/s (set_parameter CLI took {:.2}s, {moved_at_return} moved before it returned); broker {:.2} CPU/s; {}",
+            "  shovel run {rep}{}: {wall:.2}s, {:.0} msg/s (set_parameter CLI took {:.2}s, {moved_at_return} moved before it returned); broker {:.2} CPU/s; {}",
+            s.note(),
             run.rate(),
             returned.duration_since(spawned).as_secs_f64(),
             run.usage.broker / wall,
@@ -456,13 +632,14 @@ impl Bench {
     /// the arrival times on the target queue are returned too.
     async fn replay(
         &mut self,
+        s: &Section,
         scenario: &str,
         n: usize,
         mode: &str,
         rate: Option<u32>,
     ) -> (Run, Vec<f64>) {
         let prefix = self.prefix(scenario);
-        let topo = self.build_dlq(&prefix, n).await;
+        let topo = self.build_dlq(s, &prefix, n).await;
         let idem = format!("{prefix}:idem:");
         let done = if rate.is_none() {
             self.mark_done(&idem, n).await
@@ -475,7 +652,7 @@ impl Bench {
             .unwrap_or_default();
         let text = format!(
             "apiVersion: replay.dlq.dev/v1alpha1\nkind: DlqReplay\nmetadata: {{name: {name}, namespace: {NAMESPACE}}}\nspec:\n  broker: {{url: \"{amqp}\"}}\n  source: {{queue: {dlq}}}\n  quarantine: {{queue: {q}}}\n  canary: {{enabled: false}}\n  idempotency:\n    mode: {mode}\n    key: {{fields: [{{pointer: /id}}], prefix: \"{idem}\"}}\n{rate_line}",
-            amqp = self.amqp,
+            amqp = self.brokers[s.broker].amqp,
             dlq = topo.dlq,
             q = topo.quarantine,
         );
@@ -485,7 +662,7 @@ impl Bench {
 
         // With a rate: a consumer on the target queue timestamps every arrival.
         let arrivals = match rate {
-            Some(_) => Some(self.arrival_clock(&topo.work, n).await),
+            Some(_) => Some(self.arrival_clock(s, &topo.work, n).await),
             None => None,
         };
         let rss_file = self.tmp.path().join(format!("{scenario}.rss"));
@@ -508,7 +685,7 @@ impl Bench {
             .env_remove("AMQP_URL")
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        let usage0 = self.cpu();
+        let usage0 = self.cpu(s);
         let started = Instant::now();
         let child = cmd.spawn().expect("spawn dlq-replay");
         let pid = child.id();
@@ -521,7 +698,7 @@ impl Bench {
         .expect("dlq-replay timed out")
         .expect("dlq-replay output");
         let wall = started.elapsed().as_secs_f64();
-        let usage = self.cpu() - usage0;
+        let usage = self.cpu(s) - usage0;
         let (rss_kib, cpu) = if self.time_rss {
             parse_time(&std::fs::read_to_string(&rss_file).unwrap_or_default())
         } else {
@@ -545,7 +722,7 @@ impl Bench {
             .unwrap_or(Value::Null);
         let count = |k: &str| status["counts"][k].as_u64().unwrap_or(u64::MAX);
         let (replayed, dups) = (count("replayed"), count("duplicates"));
-        let ch = self.channel().await;
+        let ch = self.channel(s).await;
         let target = self.depth(&ch, &topo.work).await as u64;
         let _ = ch.close(200, "ok".into()).await;
         let expected_target = if rate.is_some() { 0 } else { replayed };
@@ -568,7 +745,7 @@ impl Bench {
                 arrivals.len()
             ));
         }
-        self.drop_topology(&topo, &[]).await;
+        self.drop_topology(s, &topo, &[]).await;
         self.forget(&idem, &name).await;
         let run = Run {
             n,
@@ -582,8 +759,9 @@ impl Bench {
             .map(|(u, s)| format!("user {u:.2}s sys {s:.2}s ({:.2} CPU/s)", (u + s) / wall))
             .unwrap_or_else(|| "cpu n/a".into());
         println!(
-            "  {scenario} ({mode}{}): {wall:.2}s, {:.0} msg/s, replayed {replayed}, duplicates {dups}, peak RSS {}, {cpu_text}; broker {:.2} CPU/s, Redis {:.2} CPU/s; {}",
+            "  {scenario} ({mode}{}{}): {wall:.2}s, {:.0} msg/s, replayed {replayed}, duplicates {dups}, peak RSS {}, {cpu_text}; broker {:.2} CPU/s, Redis {:.2} CPU/s; {}",
             rate.map(|r| format!(", {r}/s")).unwrap_or_default(),
+            s.note(),
             run.rate(),
             rss_text(run.rss_kib),
             run.usage.broker / wall,
@@ -596,7 +774,13 @@ impl Bench {
     /// One rate-limited replay; returns its row of the rate table.
     async fn rate(&mut self, count: usize, limit: u32) -> String {
         let (run, arrivals) = self
-            .replay(&format!("rate{limit}"), count, "Check", Some(limit))
+            .replay(
+                &Section::classic_3_10(),
+                &format!("rate{limit}"),
+                count,
+                "Check",
+                Some(limit),
+            )
             .await;
         let label = format!("{limit}/s");
         if arrivals.len() < 2 {
@@ -624,8 +808,13 @@ impl Bench {
     }
 
     /// A consumer on `queue` that returns the arrival instants of `n` messages.
-    async fn arrival_clock(&self, queue: &str, n: usize) -> tokio::task::JoinHandle<Vec<Instant>> {
-        let ch = self.channel().await;
+    async fn arrival_clock(
+        &self,
+        s: &Section,
+        queue: &str,
+        n: usize,
+    ) -> tokio::task::JoinHandle<Vec<Instant>> {
+        let ch = self.channel(s).await;
         ch.basic_qos(1000, BasicQosOptions::default())
             .await
             .expect("qos");
@@ -672,12 +861,15 @@ impl Bench {
         ids.len()
     }
 
-    /// Delete the run's idempotency keys and the replay's state, audit and settled keys.
+    /// Delete the run's idempotency keys, the replay's state, audit and settled keys, and the
+    /// engine's per-queue keys of the run's queues (`dlq:routes:<broker>/<queue>`,
+    /// `dlq:moves:...`; they carry no TTL).
     async fn forget(&mut self, idem: &str, name: &str) {
         for pattern in [
             format!("{idem}*"),
             format!("dlq:*:{NAMESPACE}/{name}"),
             format!("dlq:*:{NAMESPACE}/{name}/*"),
+            format!("dlq:*/{name}.*"),
         ] {
             let mut cursor: u64 = 0;
             loop {
@@ -706,7 +898,14 @@ impl Bench {
     }
 }
 
-async fn header(b: &Bench, args: &[String], n: usize, reps: usize, mem: bool) {
+async fn header(
+    b: &Bench,
+    args: &[String],
+    n: usize,
+    reps: usize,
+    mem: bool,
+    sections: &[Section],
+) {
     println!("# dlq-replay benchmark");
     println!(
         "date: {}",
@@ -718,19 +917,31 @@ async fn header(b: &Bench, args: &[String], n: usize, reps: usize, mem: bool) {
         ""
     };
     println!("command: {}{via}", args.join(" "));
-    let env: Vec<String> = ["BENCH_N", "BENCH_REPS", "BENCH_MEM", "BENCH_RUN_ARGS"]
-        .iter()
-        .map(|k| {
-            format!(
-                "{k}={}",
-                std::env::var(k).unwrap_or_else(|_| "(unset)".into())
-            )
-        })
-        .collect();
+    let env: Vec<String> = [
+        "BENCH_N",
+        "BENCH_REPS",
+        "BENCH_MEM",
+        "BENCH_RUN_ARGS",
+        "BENCH_QUEUES",
+        "BENCH_BROKERS",
+    ]
+    .iter()
+    .map(|k| {
+        format!(
+            "{k}={}",
+            std::env::var(k).unwrap_or_else(|_| "(unset)".into())
+        )
+    })
+    .collect();
     println!("environment: {}", env.join(" "));
     println!(
-        "settings: N={n} reps={reps} memory-100k={mem} run-id={}",
-        b.run_id
+        "settings: N={n} reps={reps} memory-100k={mem} run-id={} throughput sections: {}",
+        b.run_id,
+        sections
+            .iter()
+            .map(|s| s.label.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
@@ -770,10 +981,18 @@ async fn header(b: &Bench, args: &[String], n: usize, reps: usize, mem: bool) {
         .to_string();
     println!(
         "services: RabbitMQ {} (pid {:?}), Redis {redis_v} (pid {:?})",
-        cmd_out("rabbitmqctl", &["-q", "version"]).trim(),
-        b.broker_pid,
-        b.redis_pid
+        b.brokers[0].version, b.brokers[0].pid, b.redis_pid
     );
+    for broker in &b.brokers[1..] {
+        println!(
+            "services: RabbitMQ {} at {} (pid {:?}; rabbitmqctl: {}; shovel URI host {})",
+            broker.version,
+            address(&broker.amqp),
+            broker.pid,
+            broker.ctl.join(" "),
+            address(&broker.shovel_uri)
+        );
+    }
     let commit = cmd_out("git", &["rev-parse", "--short", "HEAD"]);
     let dirty = !cmd_out("git", &["status", "--porcelain"]).trim().is_empty();
     println!(
@@ -804,7 +1023,27 @@ async fn header(b: &Bench, args: &[String], n: usize, reps: usize, mem: bool) {
     println!("clocks: dlq-replay = process spawn to exit (connects, drains, writes its final status); shovel = set_parameter returned (or first message moved, if earlier) until source empty and destination holding N, depths polled every 10 ms over AMQP");
 }
 
-fn enable_shovel() {
+/// The Shovel plugin on `broker`: enabled with rabbitmq-plugins on RabbitMQ 3.10; on RabbitMQ 4
+/// (`.ci/rabbitmq4` enables it at boot, and its CLI is rabbitmqctl only) checked.
+fn enable_shovel(broker: &Broker) {
+    if broker.name != "3.10" {
+        let running = broker.ctl_out(&[
+            "-q",
+            "eval",
+            "lists:keymember(rabbitmq_shovel, 1, application:which_applications()).",
+        ]);
+        if running.trim() != "true" {
+            eprintln!(
+                "bench: rabbitmq_shovel is not running on RabbitMQ {} ({}: {:?}); .ci/rabbitmq4 enables it at boot",
+                broker.name,
+                broker.ctl.join(" "),
+                running.trim()
+            );
+            std::process::exit(2);
+        }
+        println!("rabbitmq_shovel on RabbitMQ {}: running", broker.name);
+        return;
+    }
     let enabled = cmd_out("rabbitmq-plugins", &["-q", "list", "-e", "-m"]);
     if enabled.lines().any(|l| l.trim() == "rabbitmq_shovel") {
         println!("rabbitmq_shovel: already enabled");
@@ -1062,4 +1301,123 @@ fn cmd_out(cmd: &str, args: &[&str]) -> String {
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
         .unwrap_or_default()
+}
+
+impl Broker {
+    /// RabbitMQ 4 at AMQP4_URL, its rabbitmqctl through `.ci/rabbitmq4 ctl`; Err says why not.
+    async fn v4() -> Result<Self, String> {
+        let amqp = std::env::var("AMQP4_URL")
+            .ok()
+            .filter(|u| !u.is_empty())
+            .unwrap_or_else(|| "amqp://guest:guest@127.0.0.1:5673/%2f".into());
+        let at = address(&amqp);
+        let conn = match tokio::time::timeout(
+            Duration::from_secs(10),
+            engine::connect_amqp(&amqp, "dlq-replay bench"),
+        )
+        .await
+        {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => return Err(format!("{at} does not answer ({e})")),
+            Err(_) => return Err(format!("{at} does not answer within 10 s")),
+        };
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join(".ci/rabbitmq4");
+        let mut b = Broker {
+            name: "4",
+            // The Shovel runs inside the node, which shares this host's network.
+            shovel_uri: amqp.clone(),
+            amqp,
+            conn,
+            ctl: vec![script.display().to_string(), "ctl".into()],
+            pid: None,
+            version: String::new(),
+        };
+        b.version = b.ctl_out(&["-q", "version"]).trim().to_string();
+        if !b.version.starts_with('4') {
+            return Err(format!(
+                "its rabbitmqctl ({}) reports version {:?}",
+                b.ctl.join(" "),
+                b.version
+            ));
+        }
+        b.pid = node_pid(&b);
+        Ok(b)
+    }
+}
+
+/// The OS pid of the broker's node, as its rabbitmqctl tells it.
+fn node_pid(b: &Broker) -> Option<u32> {
+    b.ctl_out(&["-q", "eval", "os:getpid()."])
+        .trim()
+        .trim_matches('"')
+        .parse()
+        .ok()
+}
+
+/// `host:port` of an AMQP URL, without its credentials.
+fn address(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(u) => format!(
+            "{}:{}",
+            u.host_str().unwrap_or("?"),
+            u.port().unwrap_or(5672)
+        ),
+        Err(_) => "?".into(),
+    }
+}
+
+/// What BENCH_BROKERS asks for.
+#[derive(Debug, Clone, Copy)]
+struct BrokerChoice {
+    /// Throughput sections on RabbitMQ 3.10.
+    v3: bool,
+    /// A quorum section on RabbitMQ 4...
+    v4: bool,
+    /// ...that must run (BENCH_BROKERS names it) rather than be skipped when it does not answer.
+    v4_required: bool,
+}
+
+/// BENCH_BROKERS: `3.10`, `4` or both, comma-separated; unset, RabbitMQ 3.10 plus RabbitMQ 4
+/// when it answers.
+fn env_brokers() -> BrokerChoice {
+    let Ok(v) = std::env::var("BENCH_BROKERS") else {
+        return BrokerChoice {
+            v3: true,
+            v4: true,
+            v4_required: false,
+        };
+    };
+    let mut c = BrokerChoice {
+        v3: false,
+        v4: false,
+        v4_required: true,
+    };
+    for name in v.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        match name {
+            "3.10" | "3" => c.v3 = true,
+            "4" | "4.x" | "4.0" => c.v4 = true,
+            other => {
+                eprintln!("bench: BENCH_BROKERS: {other:?}: expected 3.10 and/or 4");
+                std::process::exit(2);
+            }
+        }
+    }
+    c
+}
+
+/// BENCH_QUEUES: `classic`, `quorum` or both, comma-separated (default both).
+fn env_queues() -> Vec<QueueType> {
+    let v = std::env::var("BENCH_QUEUES").unwrap_or_else(|_| "classic,quorum".into());
+    let mut out = Vec::new();
+    for name in v.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        match name.parse::<QueueType>() {
+            Ok(q) if !out.contains(&q) => out.push(q),
+            Ok(_) => {}
+            Err(e) => {
+                eprintln!("bench: BENCH_QUEUES: {e}");
+                std::process::exit(2);
+            }
+        }
+    }
+    out
 }

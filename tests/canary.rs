@@ -94,9 +94,9 @@ async fn run_with(w: &World, spec: &str, opts: Options) -> DlqReplayStatus {
         .unwrap()
 }
 
-#[tokio::test]
-async fn a_fixed_consumer_passes_the_canary_and_the_rest_drains() {
-    let w = World::new("canary-pass").await;
+matrix!(a_fixed_consumer_passes_the_canary_and_the_rest_drains);
+async fn a_fixed_consumer_passes_the_canary_and_the_rest_drains(t: Target) {
+    let w = World::on("canary-pass", &t).await;
     w.dead_letter(
         (0..10)
             .map(|i| typed(&format!("a{i}"), "TimeoutError"))
@@ -121,9 +121,9 @@ async fn a_fixed_consumer_passes_the_canary_and_the_rest_drains() {
     w.cleanup().await;
 }
 
-#[tokio::test]
-async fn a_still_broken_consumer_sends_the_canary_back_and_nothing_else_moves() {
-    let w = World::new("canary-fail").await;
+matrix!(a_still_broken_consumer_sends_the_canary_back_and_nothing_else_moves);
+async fn a_still_broken_consumer_sends_the_canary_back_and_nothing_else_moves(t: Target) {
+    let w = World::on("canary-fail", &t).await;
     w.dead_letter(
         (0..8)
             .map(|i| typed(&format!("b{i}"), "TimeoutError"))
@@ -206,9 +206,9 @@ async fn a_still_broken_consumer_sends_the_canary_back_and_nothing_else_moves() 
     w.cleanup().await;
 }
 
-#[tokio::test]
-async fn two_signatures_one_fixed_one_not_drain_only_the_fixed_one() {
-    let w = World::new("canary-split").await;
+matrix!(two_signatures_one_fixed_one_not_drain_only_the_fixed_one);
+async fn two_signatures_one_fixed_one_not_drain_only_the_fixed_one(t: Target) {
+    let w = World::on("canary-split", &t).await;
     let mut jobs: Vec<_> = (0..6)
         .map(|i| typed(&format!("t{i}"), "TimeoutError"))
         .collect();
@@ -242,9 +242,9 @@ async fn two_signatures_one_fixed_one_not_drain_only_the_fixed_one() {
     w.cleanup().await;
 }
 
-#[tokio::test]
-async fn no_consumer_keeps_the_replay_pending_and_touches_nothing() {
-    let w = World::new("canary-pending").await;
+matrix!(no_consumer_keeps_the_replay_pending_and_touches_nothing);
+async fn no_consumer_keeps_the_replay_pending_and_touches_nothing(t: Target) {
+    let w = World::on("canary-pending", &t).await;
     w.dead_letter(
         (0..5)
             .map(|i| typed(&format!("p{i}"), "TimeoutError"))
@@ -269,9 +269,9 @@ async fn no_consumer_keeps_the_replay_pending_and_touches_nothing() {
     w.cleanup().await;
 }
 
-#[tokio::test]
-async fn require_done_does_not_pass_a_consumer_that_silently_drops() {
-    let w = World::new("canary-done").await;
+matrix!(require_done_does_not_pass_a_consumer_that_silently_drops);
+async fn require_done_does_not_pass_a_consumer_that_silently_drops(t: Target) {
+    let w = World::on("canary-done", &t).await;
     w.dead_letter(
         (0..4)
             .map(|i| typed(&format!("d{i}"), "TimeoutError"))
@@ -292,9 +292,9 @@ async fn require_done_does_not_pass_a_consumer_that_silently_drops() {
     w.cleanup().await;
 }
 
-#[tokio::test]
-async fn a_worker_that_marks_done_confirms_the_canary_before_the_wait_ends() {
-    let w = World::new("canary-confirm").await;
+matrix!(a_worker_that_marks_done_confirms_the_canary_before_the_wait_ends);
+async fn a_worker_that_marks_done_confirms_the_canary_before_the_wait_ends(t: Target) {
+    let w = World::on("canary-confirm", &t).await;
     w.dead_letter(
         (0..4)
             .map(|i| typed(&format!("e{i}"), "TimeoutError"))
@@ -316,9 +316,9 @@ async fn a_worker_that_marks_done_confirms_the_canary_before_the_wait_ends() {
     w.cleanup().await;
 }
 
-#[tokio::test]
-async fn too_much_poison_stops_before_draining() {
-    let w = World::new("canary-poison").await;
+matrix!(too_much_poison_stops_before_draining);
+async fn too_much_poison_stops_before_draining(t: Target) {
+    let w = World::on("canary-poison", &t).await;
     let mut jobs: Vec<_> = (0..3)
         .map(|i| typed(&format!("g{i}"), "TimeoutError"))
         .collect();
@@ -343,9 +343,9 @@ async fn too_much_poison_stops_before_draining() {
     w.cleanup().await;
 }
 
-#[tokio::test]
-async fn more_signatures_than_max_signatures_fail_before_anything_moves() {
-    let w = World::new("canary-sigs").await;
+matrix!(more_signatures_than_max_signatures_fail_before_anything_moves);
+async fn more_signatures_than_max_signatures_fail_before_anything_moves(t: Target) {
+    let w = World::on("canary-sigs", &t).await;
     // An exception header holding per-message text: every message its own signature.
     let jobs = (0..6)
         .map(|i| typed(&format!("s{i}"), &format!("job s{i} timed out after {i}0s")))
@@ -368,9 +368,9 @@ async fn more_signatures_than_max_signatures_fail_before_anything_moves() {
     w.cleanup().await;
 }
 
-#[tokio::test]
-async fn returns_while_draining_above_the_ratio_stop_the_replay() {
-    let w = World::new("canary-returns").await;
+matrix!(returns_while_draining_above_the_ratio_stop_the_replay);
+async fn returns_while_draining_above_the_ratio_stop_the_replay(t: Target) {
+    let w = World::on("canary-returns", &t).await;
     w.dead_letter(
         (0..60)
             .map(|i| typed(&format!("r{i:02}"), "TimeoutError"))

@@ -6,14 +6,15 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
 use dlq_replay::api::Phase;
+use dlq_replay::fixture::Topology;
 use lapin::types::{AMQPValue, ByteArray, DecimalValue, FieldArray, FieldTable, LongString};
 use lapin::BasicProperties;
 use serde_json::json;
 use support::*;
 
-#[tokio::test]
-async fn check_mode_decides_every_message_and_keeps_the_invariants() {
-    let w = World::new("check").await;
+matrix!(check_mode_decides_every_message_and_keeps_the_invariants);
+async fn check_mode_decides_every_message_and_keeps_the_invariants(t: Target) {
+    let w = World::on("check", &t).await;
     let mut jobs = Vec::new();
     for i in 0..20 {
         jobs.push(job(&format!("ok-{i}"), json!({"show": "daily"})));
@@ -80,7 +81,8 @@ async fn check_mode_decides_every_message_and_keeps_the_invariants() {
             .headers
             .inner()
             .keys()
-            .any(|k| k.as_str().starts_with("x-first-death")));
+            .any(|k| k.as_str().starts_with("x-first-death")
+                || k.as_str().starts_with("x-last-death")));
         assert_eq!(
             header(m, "x-replay-id").as_deref(),
             Some(replay_id.as_str())
@@ -133,9 +135,9 @@ async fn check_mode_decides_every_message_and_keeps_the_invariants() {
     w.cleanup().await;
 }
 
-#[tokio::test]
-async fn poison_goes_to_quarantine_with_its_headers_and_a_reason() {
-    let w = World::new("poison").await;
+matrix!(poison_goes_to_quarantine_with_its_headers_and_a_reason);
+async fn poison_goes_to_quarantine_with_its_headers_and_a_reason(t: Target) {
+    let w = World::on("poison", &t).await;
     let mut jobs = vec![job("good", json!({"chapters": "[1,2]"}))];
     jobs.push(job("no-asset", json!({"chapters": "[]", "asset": null})));
     jobs.push(job("bad-chapters", json!({"chapters": "[1,"})));
@@ -167,9 +169,9 @@ async fn poison_goes_to_quarantine_with_its_headers_and_a_reason() {
     w.cleanup().await;
 }
 
-#[tokio::test]
-async fn claim_mode_publishes_each_key_once_and_respects_other_claims() {
-    let w = World::new("claim").await;
+matrix!(claim_mode_publishes_each_key_once_and_respects_other_claims);
+async fn claim_mode_publishes_each_key_once_and_respects_other_claims(t: Target) {
+    let w = World::on("claim", &t).await;
     let mut jobs = Vec::new();
     for i in 0..10 {
         jobs.push(job(&format!("k{i}"), json!({})));
@@ -205,9 +207,9 @@ async fn claim_mode_publishes_each_key_once_and_respects_other_claims() {
     w.cleanup().await;
 }
 
-#[tokio::test]
-async fn a_finished_replay_run_again_reports_its_result_and_replays_nothing() {
-    let w = World::new("rerun").await;
+matrix!(a_finished_replay_run_again_reports_its_result_and_replays_nothing);
+async fn a_finished_replay_run_again_reports_its_result_and_replays_nothing(t: Target) {
+    let w = World::on("rerun", &t).await;
     w.dead_letter((0..5).map(|i| job(&format!("m{i}"), json!({}))).collect())
         .await;
     let resource = w.manifest(&w.idempotency("Check"));
@@ -223,9 +225,9 @@ async fn a_finished_replay_run_again_reports_its_result_and_replays_nothing() {
     w.cleanup().await;
 }
 
-#[tokio::test]
-async fn plan_and_dry_run_leave_the_queue_exactly_as_it_was() {
-    let w = World::new("plan").await;
+matrix!(plan_and_dry_run_leave_the_queue_exactly_as_it_was);
+async fn plan_and_dry_run_leave_the_queue_exactly_as_it_was(t: Target) {
+    let w = World::on("plan", &t).await;
     let mut jobs: Vec<_> = (0..30)
         .map(|i| {
             job(
@@ -271,9 +273,9 @@ async fn plan_and_dry_run_leave_the_queue_exactly_as_it_was() {
     w.cleanup().await;
 }
 
-#[tokio::test]
-async fn plan_counts_match_what_the_run_then_does() {
-    let w = World::new("planrun").await;
+matrix!(plan_counts_match_what_the_run_then_does);
+async fn plan_counts_match_what_the_run_then_does(t: Target) {
+    let w = World::on("planrun", &t).await;
     let jobs: Vec<_> = (0..40)
         .map(|i| {
             job(
@@ -292,6 +294,12 @@ async fn plan_counts_match_what_the_run_then_does() {
     let report = dlq_replay::engine::plan::plan(&w.replay(&resource))
         .await
         .unwrap();
+    // The plan leaves the DLQ as it found it: 40 messages, each once.
+    let after_plan = w.depth(&w.topo.dlq).await;
+    assert_eq!(
+        after_plan, 40,
+        "the plan left {after_plan} messages in the DLQ"
+    );
     let status = w.run(&resource).await;
     let mut expected = report.counts;
     expected.returned = 0;
@@ -307,9 +315,9 @@ async fn plan_counts_match_what_the_run_then_does() {
     w.cleanup().await;
 }
 
-#[tokio::test]
-async fn the_rate_limit_holds_the_drain_back() {
-    let w = World::new("rate").await;
+matrix!(the_rate_limit_holds_the_drain_back);
+async fn the_rate_limit_holds_the_drain_back(t: Target) {
+    let w = World::on("rate", &t).await;
     w.dead_letter((0..200).map(|i| job(&format!("r{i}"), json!({}))).collect())
         .await;
     let resource = w.manifest("  rate: {messagesPerSecond: 50, burst: 5}\n");
@@ -322,9 +330,9 @@ async fn the_rate_limit_holds_the_drain_back() {
     w.cleanup().await;
 }
 
-#[tokio::test]
-async fn the_selector_limit_takes_only_that_many() {
-    let w = World::new("limit").await;
+matrix!(the_selector_limit_takes_only_that_many);
+async fn the_selector_limit_takes_only_that_many(t: Target) {
+    let w = World::on("limit", &t).await;
     w.dead_letter(
         (0..12)
             .map(|i| job(&format!("l{i:02}"), json!({})))
@@ -340,9 +348,9 @@ async fn the_selector_limit_takes_only_that_many() {
     w.cleanup().await;
 }
 
-#[tokio::test]
-async fn unroutable_and_missing_exchanges_leave_messages_in_the_dlq_as_failed() {
-    let w = World::new("unroutable").await;
+matrix!(unroutable_and_missing_exchanges_leave_messages_in_the_dlq_as_failed);
+async fn unroutable_and_missing_exchanges_leave_messages_in_the_dlq_as_failed(t: Target) {
+    let w = World::on("unroutable", &t).await;
     w.dead_letter((0..4).map(|i| job(&format!("u{i}"), json!({}))).collect())
         .await;
     let before = w.peek(&w.topo.dlq).await;
@@ -370,7 +378,7 @@ async fn unroutable_and_missing_exchanges_leave_messages_in_the_dlq_as_failed() 
     // A failed publish releases its claim, so a later replay can take the key.
     assert_eq!(w.get(&w.key("u0")).await, None);
 
-    let other = World::new("noexchange").await;
+    let other = World::on("noexchange", &t).await;
     other.dead_letter(vec![job("n0", json!({}))]).await;
     let status = other
         .run(&other.manifest("  target: {exchange: no-such-exchange-anywhere}\n"))
@@ -384,9 +392,9 @@ async fn unroutable_and_missing_exchanges_leave_messages_in_the_dlq_as_failed() 
     other.cleanup().await;
 }
 
-#[tokio::test]
-async fn odd_bodies_and_every_header_type_pass_through_unchanged() {
-    let w = World::new("odd").await;
+matrix!(odd_bodies_and_every_header_type_pass_through_unchanged);
+async fn odd_bodies_and_every_header_type_pass_through_unchanged(t: Target) {
+    let w = World::on("odd", &t).await;
     let mut nested = FieldTable::default();
     nested.insert("inner".into(), AMQPValue::LongString("v".into()));
     let mut array = FieldArray::default();
@@ -448,6 +456,10 @@ async fn odd_bodies_and_every_header_type_pass_through_unchanged() {
             "x-first-death-exchange",
             "x-first-death-queue",
             "x-first-death-reason",
+            // RabbitMQ 4 also writes the latest death's names.
+            "x-last-death-exchange",
+            "x-last-death-queue",
+            "x-last-death-reason",
         ] {
             assert!(!got.contains_key(k));
             expected = FieldTable::from(
@@ -475,9 +487,11 @@ async fn odd_bodies_and_every_header_type_pass_through_unchanged() {
     w.cleanup().await;
 }
 
-#[tokio::test]
-async fn a_missing_source_queue_is_a_clear_error_and_touches_nothing() {
-    let w = World::new("nosource").await;
+// Both brokers, classic only: the source queue does not exist, so there is no queue type to
+// vary; what may differ is the broker's answer to the missing queue.
+matrix!(a_missing_source_queue_is_a_clear_error_and_touches_nothing: classic_3_10, classic_4_x);
+async fn a_missing_source_queue_is_a_clear_error_and_touches_nothing(t: Target) {
+    let w = World::on("nosource", &t).await;
     let mut resource = w.manifest("");
     resource.spec.source.queue = format!("{}.missing", w.tag);
     let (tx, _rx) = tokio::sync::watch::channel(Default::default());
@@ -497,6 +511,8 @@ async fn a_missing_source_queue_is_a_clear_error_and_touches_nothing() {
     w.cleanup().await;
 }
 
+// RabbitMQ 3.10, classic only: the replay connects to port 1 (no broker) or to a Redis that is
+// not there; the world's DLQ only shows that nothing moved, whatever its type.
 #[tokio::test]
 async fn an_unreachable_broker_or_redis_is_a_clear_error() {
     let w = World::new("unreachable").await;
@@ -523,6 +539,7 @@ async fn an_unreachable_broker_or_redis_is_a_clear_error() {
     w.cleanup().await;
 }
 
+// Redis only: the world gives names, no queue is read.
 #[tokio::test]
 async fn the_store_notices_a_key_replayed_twice() {
     let w = World::new("again").await;
@@ -540,5 +557,118 @@ async fn the_store_notices_a_key_replayed_twice() {
         .await
         .unwrap();
     assert_eq!((first, second), (0, 1));
+    w.cleanup().await;
+}
+
+// A dry run must be repeatable without limit (DESIGN, "Leaving messages in place"). On a quorum
+// DLQ every message a plan hands back is a delivery: on 3.10 with `x-delivery-limit: 3` and on
+// 4.x with its default limit (20, none set here) a plan that hands messages back loses them to
+// the broker after a few runs. Expected to fail on quorum until the engine leaves messages in
+// place without handing them back.
+matrix!(plan_run_100_times_leaves_every_message_in_place);
+async fn plan_run_100_times_leaves_every_message_in_place(t: Target) {
+    let limit = (t.is_quorum() && t.broker.is_v3_10()).then_some(3);
+    let w = World::on_with("plan100", &t, |topo: Topology| topo.delivery_limit(limit)).await;
+    // What the DLQ holds, from a copy of every dead letter: the DLQ itself is not looked at.
+    let mirror = w.mirror_dlq().await;
+    let mut jobs: Vec<_> = (0..40)
+        .map(|i| {
+            job(
+                &format!("m{i}"),
+                json!({"show": if i % 3 == 0 {"weekly"} else {"daily"}}),
+            )
+        })
+        .collect();
+    let mut broken = job("broken", json!({}));
+    broken.1 = b"{not json".to_vec();
+    jobs.push(broken);
+    w.dead_letter(jobs).await;
+    let before = w.take(&mirror).await;
+    assert_eq!(before.len(), 41);
+    assert!(before.iter().all(|m| m.headers.contains_key("x-death")));
+    let resource = w.manifest(&format!(
+        "  selector: {{payload: [{{pointer: /show, equals: daily}}]}}\n  poison: {{requiredFields: [/id]}}\n{}",
+        w.idempotency("Claim")
+    ));
+    let replay = w.replay(&resource);
+    let mut depths = Vec::new();
+    for run in 0..100 {
+        let report = dlq_replay::engine::plan::plan(&replay)
+            .await
+            .unwrap_or_else(|e| panic!("plan run {run} on {t}: {e}"));
+        depths.push(report.depth);
+    }
+    let after = w.take(&w.topo.dlq).await;
+    let first_short = depths.iter().position(|&d| d != 41);
+    assert_eq!(
+        ids(&after),
+        ids(&before),
+        "on {t} (delivery limit {limit:?}): the DLQ after 100 plans; depth seen by each plan: {depths:?} (first change at run {first_short:?})"
+    );
+    for (a, b) in after.iter().zip(&before) {
+        assert_eq!(a, b, "on {t}: {} changed", a.id);
+    }
+    assert_eq!(w.get(&w.key("m1")).await, None, "plan claimed a key");
+    assert_eq!(w.depth(&w.topo.work).await, 0);
+    w.cleanup().await;
+}
+
+// What a replay's selector skips stays in the DLQ byte for byte, however many replays pass over
+// it: 25 replays (each new, under its own name) is past RabbitMQ 4's default delivery limit of 20
+// on a quorum DLQ, so a pass that hands the skipped messages back loses them there.
+matrix!(skipped_messages_stay_byte_for_byte_through_25_replays);
+async fn skipped_messages_stay_byte_for_byte_through_25_replays(t: Target) {
+    let w = World::on("skip25", &t).await;
+    let mirror = w.mirror_dlq().await;
+    // 5 of 30 match the selector (every 6th: weekly).
+    let jobs: Vec<_> = (0..30)
+        .map(|i| {
+            job(
+                &format!("s{i:02}"),
+                json!({"show": if i % 6 == 0 {"weekly"} else {"daily"}}),
+            )
+        })
+        .collect();
+    w.dead_letter(jobs).await;
+    let before = w.take(&mirror).await;
+    assert_eq!(before.len(), 30);
+    let (wanted, skipped): (Vec<Seen>, Vec<Seen>) = before
+        .into_iter()
+        .partition(|m| m.body.windows(8).any(|b| b == b"\"weekly\""));
+    assert_eq!(wanted.len(), 5);
+    let spec = format!(
+        "  selector: {{payload: [{{pointer: /show, equals: weekly}}]}}\n{}",
+        w.idempotency("Check")
+    );
+    let mut depths = Vec::new();
+    for run in 0..25 {
+        let mut resource = w.manifest(&spec);
+        resource.metadata.name = Some(format!("{}-{run}", w.tag));
+        let status = w.run(&resource).await;
+        assert_eq!(
+            status.phase,
+            Some(Phase::Done),
+            "run {run} on {t}: {status:?}"
+        );
+        assert_sum(&status);
+        let c = status.counts;
+        let expected = if run == 0 { (30, 5, 25) } else { (25, 0, 25) };
+        assert_eq!(
+            (c.scanned, c.replayed, c.skipped),
+            expected,
+            "run {run} on {t}: {c:?}; DLQ depth after each run so far: {depths:?}"
+        );
+        depths.push(w.depth(&w.topo.dlq).await);
+    }
+    assert_eq!(ids(&w.take(&w.topo.work).await), ids(&wanted));
+    let after = w.take(&w.topo.dlq).await;
+    assert_eq!(
+        ids(&after),
+        ids(&skipped),
+        "on {t}: the skipped messages after 25 replays; DLQ depth after each run: {depths:?}"
+    );
+    for (a, b) in after.iter().zip(&skipped) {
+        assert_eq!(a, b, "on {t}: {} changed", a.id);
+    }
     w.cleanup().await;
 }

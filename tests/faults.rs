@@ -3,6 +3,10 @@
 //! key twice in Claim mode, counts and audit consistent) plus what is particular to its fault.
 //! The broker restart (`rabbitmqctl stop_app`) is in `make faults` only: it would break every
 //! other test running against the same broker.
+//!
+//! Each scenario runs over the matrix (RabbitMQ 3.10 and 4.x × classic and quorum queues; see
+//! tests/support/mod.rs), the Redis faults on two cases only: what they break is Redis, not the
+//! broker, so RabbitMQ 3.10 classic and 4.x quorum cover both brokers and both queue types.
 
 mod support;
 
@@ -28,36 +32,39 @@ fn seed() -> u64 {
 }
 
 async fn check(w: World, t: Tally) -> Tally {
+    eprintln!("on {}", w.target);
     t.assert_ok();
     w.cleanup().await;
     t
 }
 
-#[tokio::test]
-async fn kill_9_in_claim_mode_loses_nothing_and_publishes_no_key_twice() {
-    let w = World::new("kill-claim").await;
+matrix!(kill_9_in_claim_mode_loses_nothing_and_publishes_no_key_twice);
+async fn kill_9_in_claim_mode_loses_nothing_and_publishes_no_key_twice(target: Target) {
+    let w = World::on("kill-claim", &target).await;
     let t = faults::kill_9(&w, bin(), "Claim", 3000, seed(), 4).await;
     assert!(t.runs >= 3, "{t:?}");
     check(w, t).await;
 }
 
-#[tokio::test]
-async fn kill_9_in_check_mode_loses_nothing_and_republishes_at_most_the_window() {
-    let w = World::new("kill-check").await;
+matrix!(kill_9_in_check_mode_loses_nothing_and_republishes_at_most_the_window);
+async fn kill_9_in_check_mode_loses_nothing_and_republishes_at_most_the_window(target: Target) {
+    let w = World::on("kill-check", &target).await;
     let t = faults::kill_9(&w, bin(), "Check", 3000, seed(), 4).await;
     check(w, t).await;
 }
 
-#[tokio::test]
-async fn closed_broker_connections_are_reconnected_and_the_replay_finishes() {
-    let w = World::new("cut").await;
+matrix!(closed_broker_connections_are_reconnected_and_the_replay_finishes);
+async fn closed_broker_connections_are_reconnected_and_the_replay_finishes(target: Target) {
+    let w = World::on("cut", &target).await;
     let t = faults::close_connection(&w, "Claim", 600, 300, 2, seed()).await;
     check(w, t).await;
 }
 
-#[tokio::test]
-async fn with_reconnect_off_a_cut_connection_stops_the_replay_and_the_rerun_finishes_it() {
-    let w = World::new("cut-off").await;
+matrix!(with_reconnect_off_a_cut_connection_stops_the_replay_and_the_rerun_finishes_it);
+async fn with_reconnect_off_a_cut_connection_stops_the_replay_and_the_rerun_finishes_it(
+    target: Target,
+) {
+    let w = World::on("cut-off", &target).await;
     faults::dead_letter_n(&w, 200).await;
     let resource = w.manifest(&format!(
         "{}  rate: {{messagesPerSecond: 100}}\n",
@@ -69,7 +76,7 @@ async fn with_reconnect_off_a_cut_connection_stops_the_replay_and_the_rerun_fini
     };
     let run = faults::spawn_engine(w.replay(&resource), opts);
     assert!(faults::until_depth(&w, &w.topo.work, 40, Duration::from_secs(60)).await);
-    assert!(faults::close_connections(&w.tag) > 0);
+    assert!(faults::close_connections(&w) > 0);
     let status = run.await.unwrap().unwrap();
     assert_eq!(
         status.phase,
@@ -95,37 +102,37 @@ async fn with_reconnect_off_a_cut_connection_stops_the_replay_and_the_rerun_fini
     w.cleanup().await;
 }
 
-#[tokio::test]
-async fn a_paused_redis_holds_every_ack_and_publish_until_it_answers() {
-    let w = World::new("rpause").await;
+matrix!(a_paused_redis_holds_every_ack_and_publish_until_it_answers: classic_3_10, quorum_4_x);
+async fn a_paused_redis_holds_every_ack_and_publish_until_it_answers(target: Target) {
+    let w = World::on("rpause", &target).await;
     let t = faults::redis_pause(&w, "Claim", 800, 100, Duration::from_secs(8)).await;
     check(w, t).await;
 }
 
-#[tokio::test]
-async fn a_killed_redis_is_reconnected_after_its_restart() {
-    let w = World::new("rkill").await;
+matrix!(a_killed_redis_is_reconnected_after_its_restart: classic_3_10, quorum_4_x);
+async fn a_killed_redis_is_reconnected_after_its_restart(target: Target) {
+    let w = World::on("rkill", &target).await;
     let t = faults::redis_restart(&w, "Claim", 600, 200, Duration::from_millis(1500)).await;
     check(w, t).await;
 }
 
-#[tokio::test]
-async fn a_target_exchange_deleted_mid_drain_leaves_its_messages_failed_in_the_dlq() {
-    let w = World::new("xdel").await;
+matrix!(a_target_exchange_deleted_mid_drain_leaves_its_messages_failed_in_the_dlq);
+async fn a_target_exchange_deleted_mid_drain_leaves_its_messages_failed_in_the_dlq(target: Target) {
+    let w = World::on("xdel", &target).await;
     let t = faults::exchange_deleted(&w, "Claim", 300, 100).await;
     check(w, t).await;
 }
 
-#[tokio::test]
-async fn a_full_target_queue_nacks_and_the_messages_stay_failed() {
-    let w = World::new("nack").await;
+matrix!(a_full_target_queue_nacks_and_the_messages_stay_failed);
+async fn a_full_target_queue_nacks_and_the_messages_stay_failed(target: Target) {
+    let w = World::on("nack", &target).await;
     let t = faults::nacked(&w, "Claim", 6, 2).await;
     check(w, t).await;
 }
 
-#[tokio::test]
-async fn poison_that_keeps_dying_is_quarantined_by_the_next_replay() {
-    let w = World::new("loop").await;
+matrix!(poison_that_keeps_dying_is_quarantined_by_the_next_replay);
+async fn poison_that_keeps_dying_is_quarantined_by_the_next_replay(target: Target) {
+    let w = World::on("loop", &target).await;
     let t = faults::poison_loop(&w, 3).await;
     check(w, t).await;
 }

@@ -681,7 +681,6 @@ struct Item {
 enum End {
     Drained,
     TooManyReturns(u64, String),
-    LimitReached,
     Cancelled,
     Error(Error),
 }
@@ -761,9 +760,6 @@ impl<'a> Drain<'a> {
             if self.seen >= self.bound {
                 return End::Drained;
             }
-            if self.limit_reached() {
-                return self.stop_at_limit().await;
-            }
             if cancel.is_cancelled() {
                 return End::Cancelled;
             }
@@ -840,23 +836,6 @@ impl<'a> Drain<'a> {
             )));
         }
         Ok(None)
-    }
-
-    /// `selector.limit` reached: what the consumer already holds goes to the tail as skipped;
-    /// the rest was never delivered and stays where it is.
-    async fn stop_at_limit(&mut self) -> End {
-        let held = match self.source.as_mut() {
-            Some(src) => src.stop().await,
-            None => Ok(Vec::new()),
-        };
-        match held {
-            Ok(d) if d.is_empty() => End::LimitReached,
-            Ok(d) => match self.step(d).await {
-                Ok(()) => End::LimitReached,
-                Err(e) => End::Error(e),
-            },
-            Err(e) => End::Error(e),
-        }
     }
 
     /// Whether both of the pass's broker connections are still up (an error on a channel can be
@@ -1230,7 +1209,7 @@ impl<'a> Drain<'a> {
         let mut claims = Vec::new();
         let mut delta = Counts::default();
         let mut acks = Vec::new();
-        let mut taken_back = Vec::new();
+        let mut refused = Vec::new();
         let mut unknown = 0u32;
         let mut unknown_why = String::new();
         // Unconfirmed publishes end the pass after this batch.
@@ -1244,15 +1223,14 @@ impl<'a> Drain<'a> {
             .is_some_and(|i| i.mode == IdempotencyMode::Claim);
         for item in &items {
             // A kept message is acked once its copy is at the tail; a refused copy means no
-            // copy exists, so its ledger count comes back too (the original stays unacked).
+            // copy exists, so its ledger count comes back (the original stays unacked).
             let moved = match item.moved {
                 Some(keep::Moved::Copied) => {
                     acks.push(item.delivery.delivery_tag);
-                    taken_back.extend(item.digest.clone());
                     true
                 }
                 Some(keep::Moved::Refused) => {
-                    taken_back.extend(item.digest.clone());
+                    refused.extend(item.digest.clone());
                     false
                 }
                 _ => false,
@@ -1270,7 +1248,6 @@ impl<'a> Drain<'a> {
                 }
                 Act::Leftover => {
                     delta.duplicates += 1;
-                    taken_back.extend(item.digest.clone());
                     (
                         "duplicate",
                         "LeftoverCopy: a second copy of a message this pass already met, left by an interrupted move".to_string(),
@@ -1377,10 +1354,13 @@ impl<'a> Drain<'a> {
         acks.sort_unstable();
         src.ack(&acks, acks.len() == items.len(), items.len())
             .await?;
-        if !taken_back.is_empty() {
-            src.sync().await?;
+        // The moves' ledger counts stay until the next complete traversal settles them
+        // (Ledger::resolved): measured on a RabbitMQ 4.0 quorum DLQ, a pass that moved 69,930
+        // messages left 9 to 163 of them twice even though the pass took its last message only
+        // after every other ack (see source::applied); counted, the next traversal drops them.
+        if !refused.is_empty() {
             if let Some((_, ledger)) = self.keeper.as_mut() {
-                ledger.take_back(&taken_back).await?;
+                ledger.take_back(&refused).await?;
             }
         }
         if unknown > 0 {
@@ -1423,19 +1403,12 @@ impl<'a> Drain<'a> {
         let mut status = self.status.clone();
         let summary = summary(&status.counts);
         let (phase, message) = match end {
-            End::Drained => (Phase::Done, summary),
-            End::LimitReached => {
-                let rest = self.bound - self.seen;
-                // The rest were not looked at; they stay where they are.
-                if rest > 0 {
-                    let delta = Counts { scanned: rest, skipped: rest, ..Default::default() };
-                    if let Err(e) = self.store.commit(&[], &[], &[], &delta).await {
-                        tracing::warn!(error = %e, "recording the messages left by selector.limit");
-                    }
-                    add(&mut status.counts, &delta);
-                }
+            // Past selector.limit the pass went on to its bound, skipping: a message that stays
+            // is moved like any skipped one, so the DLQ keeps its order.
+            End::Drained if self.limit_reached() => {
                 (Phase::Done, format!("selector.limit reached; {summary}"))
             }
+            End::Drained => (Phase::Done, summary),
             End::TooManyReturns(n, why) => (
                 Phase::Failed,
                 format!(

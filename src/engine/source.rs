@@ -14,8 +14,8 @@ use std::time::Duration;
 use futures::{FutureExt, StreamExt};
 use lapin::message::Delivery;
 use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicGetOptions, BasicQosOptions,
-    QueueDeclareOptions,
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions,
+    BasicQosOptions, QueueDeclareOptions,
 };
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, Consumer};
@@ -41,6 +41,38 @@ pub async fn queue_state(conn: &Connection, queue: &str) -> Result<Option<(u32, 
         Err(e) if is_not_found(&e) => Ok(None),
         Err(e) => Err(e.into()),
     }
+}
+
+/// Wait until `queue` has applied every ack sent on `ch` so far, and return the message that
+/// waiting took, if any.
+///
+/// A quorum queue applies acks asynchronously (they are Raft commands the channel pipelines);
+/// a channel that closes before they are applied gets the acked messages back, each with one more
+/// delivery: measured, 13 of 15 closes right after acking 40 messages on RabbitMQ 3.10 and 4.0.
+/// A `basic.qos`, a passive declare or `basic.recover` in between does not help; a `basic.get` on
+/// the same channel does, because the queue applies it after the acks the channel sent before
+/// it. It may take a message: the caller makes it the next message of its traversal, or, past
+/// the traversal's bound, hands it back with [`hand_back`] (one delivery on one message beyond
+/// the pass, which the next traversal moves and so resets).
+pub async fn applied(ch: &Channel, queue: &str) -> Result<Option<Delivery>, Error> {
+    let got = ch
+        .basic_get(queue.into(), BasicGetOptions { no_ack: false })
+        .await?;
+    Ok(got.map(|m| m.delivery))
+}
+
+/// Give a message back to its queue, in its place (a requeue), e.g. the one [`applied`] took past
+/// a traversal's bound.
+pub async fn hand_back(ch: &Channel, d: Delivery) -> Result<(), Error> {
+    ch.basic_nack(
+        d.delivery_tag,
+        BasicNackOptions {
+            multiple: false,
+            requeue: true,
+        },
+    )
+    .await?;
+    Ok(())
 }
 
 /// True when the broker answered 404 NOT_FOUND.
@@ -79,7 +111,10 @@ impl Source {
         bound: u64,
     ) -> Result<Self, Error> {
         let channel = conn.create_channel().await?;
-        let prefetch = u64::from(window).min(bound);
+        // The consumer never delivers the pass's last message: that one is taken with
+        // basic.get, after every other ack, which makes the queue apply those acks first (see
+        // [`applied`]); so the close that follows cannot give acked messages back.
+        let prefetch = u64::from(window).min(bound.saturating_sub(1));
         let mut src = Self {
             channel,
             queue: queue.into(),
@@ -113,7 +148,12 @@ impl Source {
     /// Wait up to `idle` for one delivery, then take whatever else is ready, up to `max` and
     /// never past the bound. Returns an empty batch when nothing came within `idle`.
     pub async fn next_batch(&mut self, max: usize, idle: Duration) -> Result<Vec<Delivery>, Error> {
-        let max = (max as u64).min(self.bound - self.delivered) as usize;
+        let left = self.bound - self.delivered;
+        // Taken with basic.get, the last message comes alone (see `open`).
+        let max = match self.consumer {
+            None if left > 1 => (max as u64).min(left - 1),
+            _ => (max as u64).min(left),
+        } as usize;
         let mut batch = Vec::with_capacity(max.min(1024));
         if max == 0 {
             return Ok(batch);
@@ -215,7 +255,8 @@ impl Source {
     /// that would let that pass the bound, stop the consumer. What it sent before the cancel is
     /// still ours (and within the bound).
     async fn before_ack(&mut self, n: u64) -> Result<(), Error> {
-        if self.consumer.is_some() && self.acked + n + self.prefetch > self.bound {
+        if self.consumer.is_some() && self.acked + n + self.prefetch > self.bound.saturating_sub(1)
+        {
             self.cancel().await?;
         }
         Ok(())
@@ -231,33 +272,10 @@ impl Source {
         Ok(())
     }
 
-    /// Take nothing more: cancel the consumer and return what it had delivered already (the
-    /// broker sent those before its cancel-ok, so they are all buffered by now).
-    pub async fn stop(&mut self) -> Result<Vec<Delivery>, Error> {
-        let mut out = Vec::new();
-        if self.consumer.is_some() {
-            self.cancel().await?;
-        }
-        if let Some(mut consumer) = self.consumer.take() {
-            while let Some(Some(d)) = consumer.next().now_or_never() {
-                out.push(d?);
-            }
-        }
-        self.delivered += out.len() as u64;
-        self.bound = self.delivered;
-        Ok(out)
-    }
-
-    /// Wait until the broker has processed every ack sent so far (it handles a channel's
-    /// frames in order, so the answer to a synchronous method comes after them).
-    pub async fn sync(&self) -> Result<(), Error> {
-        self.channel
-            .basic_qos(
-                self.prefetch.max(1) as u16,
-                BasicQosOptions { global: false },
-            )
-            .await?;
-        Ok(())
+    /// Whether the pass took its last message, which is taken (alone) only after the queue
+    /// applied every earlier ack.
+    pub fn took_all(&self) -> bool {
+        self.delivered >= self.bound
     }
 
     /// Close the channel: every message still unacked (an unknown outcome) goes back to the

@@ -345,13 +345,15 @@ async fn finish_on(
     }
 }
 
-/// The `rabbitmqctl` pids of this world's replay connections.
-fn replay_connections(tag: &str) -> Vec<String> {
-    let out = Command::new("rabbitmqctl")
-        .args(["list_connections", "pid", "client_properties", "-q"])
+/// The `rabbitmqctl` pids of this world's replay connections (on the world's broker).
+fn replay_connections(w: &World) -> Vec<String> {
+    let out = w
+        .target
+        .broker
+        .ctl(&["list_connections", "pid", "client_properties", "-q"])
         .output()
-        .expect("rabbitmqctl");
-    let name = format!("dlq-replay tests/{tag} ");
+        .unwrap_or_else(|e| panic!("{}: {e}", w.target.broker.ctl_program()));
+    let name = format!("dlq-replay tests/{} ", w.tag);
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter(|l| l.contains(&name))
@@ -359,12 +361,15 @@ fn replay_connections(tag: &str) -> Vec<String> {
         .collect()
 }
 
-/// Close every broker connection of this world's replay; returns how many there were.
-pub fn close_connections(tag: &str) -> usize {
-    let pids = replay_connections(tag);
+/// Close every broker connection of this world's replay (`rabbitmqctl close_connection` on the
+/// world's broker); returns how many there were.
+pub fn close_connections(w: &World) -> usize {
+    let pids = replay_connections(w);
     for pid in &pids {
-        let _ = Command::new("rabbitmqctl")
-            .args(["close_connection", pid, "fault injection"])
+        let _ = w
+            .target
+            .broker
+            .ctl(&["close_connection", pid, "fault injection"])
             .output();
     }
     pids.len()
@@ -477,7 +482,7 @@ pub async fn close_connection(
         if !until_depth(w, &w.topo.work, point, Duration::from_secs(120)).await {
             break;
         }
-        closed += close_connections(&w.tag);
+        closed += close_connections(w);
     }
     let mut problems = Vec::new();
     let status = ended(task, &mut problems).await;
@@ -503,7 +508,9 @@ pub async fn close_connection(
 }
 
 /// Fault 2b: the whole broker goes away (`rabbitmqctl stop_app`) for `outage`, then comes back.
-/// Everyone on the broker sees it: `make faults` only, never in `make test`.
+/// Everyone on the broker sees it: `make faults` only, never in `make test`. It stops the world's
+/// broker (through its `rabbitmqctl`), but `make faults` (examples/faults.rs, `World::new`) runs
+/// it on RabbitMQ 3.10 with classic queues only: not part of the matrix.
 pub async fn broker_restart(
     w: &mut World,
     mode: &'static str,
@@ -515,7 +522,7 @@ pub async fn broker_restart(
     until_depth(w, &w.topo.work, n / 4, Duration::from_secs(120)).await;
     let down = Instant::now();
     {
-        let _guard = BrokerDown::stop();
+        let _guard = BrokerDown::stop(&w.target.broker);
         tokio::time::sleep(outage).await;
     }
     let downtime = down.elapsed();
@@ -541,20 +548,20 @@ pub async fn broker_restart(
     .await
 }
 
-/// Stops the broker's app; starts it again when dropped (also on a panic).
-struct BrokerDown;
+/// Stops a broker's app; starts it again when dropped (also on a panic).
+struct BrokerDown(Broker);
 
 impl BrokerDown {
-    fn stop() -> Self {
-        must("rabbitmqctl", &["stop_app"]);
-        BrokerDown
+    fn stop(broker: &Broker) -> Self {
+        broker.must_ctl(&["stop_app"]);
+        BrokerDown(broker.clone())
     }
 }
 
 impl Drop for BrokerDown {
     fn drop(&mut self) {
-        let _ = Command::new("rabbitmqctl").arg("start_app").output();
-        let _ = Command::new("rabbitmqctl").args(["await_startup"]).output();
+        let _ = self.0.ctl(&["start_app"]).output();
+        let _ = self.0.ctl(&["await_startup"]).output();
     }
 }
 
@@ -647,10 +654,47 @@ impl Drop for OwnRedis {
     }
 }
 
-/// The DLQ's total (ready + unacked) as the broker counts it: it drops only on an ack.
-fn dlq_total(queue: &str) -> Option<u64> {
-    let out = Command::new("rabbitmqctl")
-        .args([
+/// The DLQ's total (ready + unacked) on the world's broker: it drops only on an ack.
+///
+/// Classic: `rabbitmqctl list_queues messages`, which asks the queue. Quorum: that column comes
+/// from metrics the queue emits on a timer (RabbitMQ 4.x showed 0 for a quorum DLQ holding 600
+/// messages, then caught up seconds later), so the total is counted instead: ready from a
+/// passive declare (answered by the queue's leader) plus the unacked deliveries on this world's
+/// replay channels (`rabbitmqctl list_channels`, asked of each channel; with the canary off the
+/// replay consumes from the DLQ only).
+async fn dlq_total(w: &World, queue: &str) -> Option<u64> {
+    if w.target.is_quorum() {
+        let ready = u64::from(fixture_depth(w, queue).await?);
+        let conns = replay_connections(w);
+        let out = w
+            .target
+            .broker
+            .ctl(&[
+                "list_channels",
+                "-q",
+                "--no-table-headers",
+                "connection",
+                "messages_unacknowledged",
+            ])
+            .output()
+            .ok()?;
+        let unacked: u64 = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| {
+                let mut f = l.split_whitespace();
+                let conn = f.next()?;
+                conns
+                    .iter()
+                    .any(|c| c == conn)
+                    .then(|| f.next()?.parse::<u64>().ok())?
+            })
+            .sum();
+        return Some(ready + unacked);
+    }
+    let out = w
+        .target
+        .broker
+        .ctl(&[
             "list_queues",
             "-q",
             "--no-table-headers",
@@ -663,6 +707,11 @@ fn dlq_total(queue: &str) -> Option<u64> {
         let mut f = l.split_whitespace();
         (f.next() == Some(queue)).then(|| f.next()?.parse().ok())?
     })
+}
+
+/// Ready messages of `queue` (a passive declare), `None` when it cannot be asked.
+async fn fixture_depth(w: &World, queue: &str) -> Option<u32> {
+    dlq_replay::fixture::depth(&w.ch, queue).await.ok()
 }
 
 /// Fault 3a: Redis stops answering (`CLIENT PAUSE ALL`) for `pause` mid-drain. While it is
@@ -686,13 +735,13 @@ pub async fn redis_pause(
     // moves until Redis answers again. Both looks (rabbitmqctl takes ~0.5 s) must end inside
     // the pause.
     tokio::time::sleep(Duration::from_millis(600)).await;
-    let (target_a, dlq_a) = (w.depth(&w.topo.work).await, dlq_total(&w.topo.dlq));
+    let (target_a, dlq_a) = (w.depth(&w.topo.work).await, dlq_total(w, &w.topo.dlq).await);
     // rabbitmqctl boots an Erlang VM first: give it up to 3 s on a busy machine.
     let second = pause
         .saturating_sub(Duration::from_millis(3000))
         .max(Duration::from_millis(1500));
     tokio::time::sleep(second.saturating_sub(paused.elapsed())).await;
-    let (target_b, dlq_b) = (w.depth(&w.topo.work).await, dlq_total(&w.topo.dlq));
+    let (target_b, dlq_b) = (w.depth(&w.topo.work).await, dlq_total(w, &w.topo.dlq).await);
     let looked = paused.elapsed();
     let mut problems = Vec::new();
     if looked >= pause {
@@ -773,9 +822,9 @@ pub async fn redis_restart(
     let task = start_drain(w, mode, n, rate, Some(&redis.url())).await;
     until_depth(w, &w.topo.work, n / 4, Duration::from_secs(120)).await;
     redis.kill_9();
-    let dlq_down = dlq_total(&w.topo.dlq);
+    let dlq_down = dlq_total(w, &w.topo.dlq).await;
     tokio::time::sleep(down).await;
-    let dlq_up = dlq_total(&w.topo.dlq);
+    let dlq_up = dlq_total(w, &w.topo.dlq).await;
     redis.restart();
     let mut problems = Vec::new();
     if dlq_up > dlq_down {
