@@ -148,12 +148,7 @@ impl Source {
     /// Wait up to `idle` for one delivery, then take whatever else is ready, up to `max` and
     /// never past the bound. Returns an empty batch when nothing came within `idle`.
     pub async fn next_batch(&mut self, max: usize, idle: Duration) -> Result<Vec<Delivery>, Error> {
-        let left = self.bound - self.delivered;
-        // Taken with basic.get, the last message comes alone (see `open`).
-        let max = match self.consumer {
-            None if left > 1 => (max as u64).min(left - 1),
-            _ => (max as u64).min(left),
-        } as usize;
+        let max = (max as u64).min(self.bound - self.delivered) as usize;
         let mut batch = Vec::with_capacity(max.min(1024));
         if max == 0 {
             return Ok(batch);
@@ -161,8 +156,20 @@ impl Source {
         if self.consumer.is_some() {
             self.consume(&mut batch, max, idle).await?;
         }
-        if self.consumer.is_none() && batch.len() < max {
-            self.get(&mut batch, max, idle).await?;
+        if self.consumer.is_none() {
+            // Taken with basic.get, the pass's last message comes alone, after every other
+            // message's ack (see `open`).
+            let left = self.bound - self.delivered - batch.len() as u64;
+            let room = (max - batch.len()) as u64;
+            let take = if left > 1 {
+                room.min(left - 1)
+            } else {
+                room.min(left)
+            };
+            if take > 0 && (batch.is_empty() || left > 1) {
+                let upto = batch.len() + take as usize;
+                self.get(&mut batch, upto, idle).await?;
+            }
         }
         self.delivered += batch.len() as u64;
         Ok(batch)
