@@ -38,8 +38,9 @@ bench: services
 # Every fault of the fault suite at full size (kill -9 at FAULT_KILLS=10 seeded points of a
 # FAULT_N=20000-message drain in Check and Claim mode, cut connections, a 10 s broker stop_app,
 # Redis paused and killed, the target exchange deleted, a full target queue, poison coming back),
-# then the table: lost must be 0, keys twice 0 in Claim mode. FAULT_SEED repeats a run. Stops the
-# broker for 10 s: run it when nothing else uses it.
+# then the table: lost must be 0, keys twice 0 in Claim mode. FAULT_SEED repeats a run;
+# FAULT_TARGET=quorum_4_x (or classic_3_10, the default, quorum_3_10, classic_4_x) picks the broker
+# and queue type. Stops the broker for 10 s: run it when nothing else uses it.
 faults: services
 	$(CARGO) build --release --quiet
 	$(CARGO) run --release --quiet --example faults

@@ -10,7 +10,9 @@
 //! (messages of the kill -9 and connection scenarios, default 20,000), `FAULT_KILLS` (default
 //! 10), `FAULT_ONLY` (comma-separated scenario prefixes: `fk` kill -9, `fc` close_connection,
 //! `fb` broker stop_app, `fp` Redis pause, `fr` Redis kill, `fx` exchange deleted, `fn` nacks,
-//! `fl` poison loop), `DLQ_REPLAY_BIN` (default: `dlq-replay` next to this example's directory).
+//! `fl` poison loop), `FAULT_TARGET` (the broker and queue type: `classic_3_10`, the default,
+//! `quorum_3_10`, `classic_4_x` or `quorum_4_x`; RabbitMQ 4 from `.ci/rabbitmq4`),
+//! `DLQ_REPLAY_BIN` (default: `dlq-replay` next to this example's directory).
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -19,7 +21,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use support::faults::{self, Tally};
-use support::World;
+use support::{Target, World};
 
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)
@@ -57,6 +59,17 @@ async fn main() -> std::process::ExitCode {
         "make faults: FAULT_SEED={seed} FAULT_N={n} FAULT_KILLS={kills}, binary {}",
         bin.display()
     );
+    let target = match std::env::var("FAULT_TARGET").as_deref() {
+        Err(_) | Ok("classic_3_10") => Target::classic_3_10(),
+        Ok("quorum_3_10") => Target::quorum_3_10(),
+        Ok("classic_4_x") => Target::classic_4_x(),
+        Ok("quorum_4_x") => Target::quorum_4_x(),
+        Ok(other) => {
+            eprintln!("FAULT_TARGET={other}: one of classic_3_10, quorum_3_10, classic_4_x, quorum_4_x");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    println!("target: {target}");
     let mut rows: Vec<Tally> = Vec::new();
     let only: Option<String> = std::env::var("FAULT_ONLY").ok();
     let wanted = |name: &str| {
@@ -67,7 +80,7 @@ async fn main() -> std::process::ExitCode {
         ($name:expr, |$w:ident| $body:expr) => {
             if wanted($name) {
                 #[allow(unused_mut)]
-                let mut $w = World::new($name).await;
+                let mut $w = World::on($name, &target).await;
                 let started = std::time::Instant::now();
                 let t: Tally = $body;
                 println!("{}   [{:.0}s]", t.line(), started.elapsed().as_secs_f64());
