@@ -736,10 +736,9 @@ pub async fn redis_pause(
     // the pause.
     tokio::time::sleep(Duration::from_millis(600)).await;
     let (target_a, dlq_a) = (w.depth(&w.topo.work).await, dlq_total(w, &w.topo.dlq).await);
-    // rabbitmqctl boots an Erlang VM first: give it up to 3 s on a busy machine.
-    let second = pause
-        .saturating_sub(Duration::from_millis(3000))
-        .max(Duration::from_millis(1500));
+    // rabbitmqctl boots an Erlang VM first (twice for a quorum DLQ, through the RabbitMQ 4
+    // chroot): give the second look the second half of the pause.
+    let second = (pause / 2).max(Duration::from_millis(1500));
     tokio::time::sleep(second.saturating_sub(paused.elapsed())).await;
     let (target_b, dlq_b) = (w.depth(&w.topo.work).await, dlq_total(w, &w.topo.dlq).await);
     let looked = paused.elapsed();
