@@ -157,11 +157,9 @@ async fn with_an_explicit_target_a_malformed_x_death_is_replayed_byte_identical(
     w.cleanup().await;
 }
 
-#[tokio::test]
-async fn a_user_id_of_another_producer_is_kept_in_a_header_and_the_replay_goes_on() {
-    let w = World::new("userid").await;
-    // The producer was another user: its messages carry `user-id: <that user>`, which RabbitMQ
-    // refuses from anyone else.
+/// Dead-letter `u0`..`u2` published by another user (so carrying `user-id: <that user>`, which
+/// RabbitMQ refuses from anyone else) and `own`; returns that user, to delete afterwards.
+async fn dead_letter_from_another_producer(w: &World) -> String {
     let user = format!("{}-producer", w.tag);
     let password = uuid::Uuid::new_v4().simple().to_string();
     must("rabbitmqctl", &["add_user", &user, &password]);
@@ -185,6 +183,15 @@ async fn a_user_id_of_another_producer_is_kept_in_a_header_and_the_replay_goes_o
         .await
         .unwrap();
     let _ = producer.close(200, "bye".into()).await;
+    user
+}
+
+#[tokio::test]
+async fn a_user_id_of_another_producer_is_kept_in_a_header_and_the_replay_goes_on() {
+    let w = World::new("userid").await;
+    // The producer was another user: its messages carry `user-id: <that user>`, which RabbitMQ
+    // refuses from anyone else.
+    let user = dead_letter_from_another_producer(&w).await;
     let before = by_id(&w.peek(&w.topo.dlq).await);
     let status = w.run(&w.manifest("")).await;
     must("rabbitmqctl", &["delete_user", &user]);
@@ -209,29 +216,7 @@ async fn a_plan_over_another_producers_user_id_keeps_every_message() {
     let w = World::new("userid-plan").await;
     // A message is left in place by moving a copy to the DLQ's tail; RabbitMQ refuses a copy
     // carrying someone else's `user-id`, so the copy keeps it in a header instead.
-    let user = format!("{}-producer", w.tag);
-    let password = uuid::Uuid::new_v4().simple().to_string();
-    must("rabbitmqctl", &["add_user", &user, &password]);
-    must(
-        "rabbitmqctl",
-        &["set_permissions", "-p", "/", &user, ".*", ".*", ".*"],
-    );
-    let url = format!("amqp://{user}:{password}@127.0.0.1:5672/%2f");
-    let producer = dlq_replay::engine::connect_amqp(&url, "producer")
-        .await
-        .unwrap();
-    let ch = producer.create_channel().await.unwrap();
-    let mut jobs: Vec<_> = (0..3)
-        .map(|i| {
-            let (p, b) = job(&format!("u{i}"), json!({}));
-            (p.with_user_id(user.as_str().into()), b)
-        })
-        .collect();
-    jobs.push(job("own", json!({})));
-    dlq_replay::fixture::dead_letter(&ch, &w.topo, jobs)
-        .await
-        .unwrap();
-    let _ = producer.close(200, "bye".into()).await;
+    let user = dead_letter_from_another_producer(&w).await;
     let report = dlq_replay::engine::plan::plan(&w.replay(&w.manifest("")))
         .await
         .expect("plan");
