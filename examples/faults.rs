@@ -65,7 +65,9 @@ async fn main() -> std::process::ExitCode {
         Ok("classic_4_x") => Target::classic_4_x(),
         Ok("quorum_4_x") => Target::quorum_4_x(),
         Ok(other) => {
-            eprintln!("FAULT_TARGET={other}: one of classic_3_10, quorum_3_10, classic_4_x, quorum_4_x");
+            eprintln!(
+                "FAULT_TARGET={other}: one of classic_3_10, quorum_3_10, classic_4_x, quorum_4_x"
+            );
             return std::process::ExitCode::from(2);
         }
     };
