@@ -7,7 +7,9 @@
 //! a message delivered past it would be handed back at the end of the pass, and on a quorum
 //! queue every hand-back counts toward the delivery limit. So before an ack would let the
 //! broker deliver past the bound, the consumer is cancelled and the rest of the bound is taken
-//! with `basic.get`, one message at a time, exactly.
+//! with `basic.get`, one message at a time, exactly; the very last one alone, after every other
+//! ack, so that a quorum queue has applied those acks before the pass closes its channel (see
+//! [`applied`]).
 
 use std::time::Duration;
 
