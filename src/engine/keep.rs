@@ -138,9 +138,16 @@ impl Ledger {
         })
     }
 
-    /// Whether any message of the queue may exist twice (else no digest need be computed).
-    pub fn doubts(&self) -> bool {
-        !self.doubtful.is_empty()
+    /// Meet a message in this traversal: `None` when the ledger doubts no message of the queue
+    /// (no digest is computed then); else its digest and whether it is a leftover copy
+    /// ([`Ledger::is_leftover`]).
+    pub fn meet(&mut self, props: &BasicProperties, body: &[u8]) -> Option<(String, bool)> {
+        if self.doubtful.is_empty() {
+            return None;
+        }
+        let d = digest(props, body);
+        let leftover = self.is_leftover(&d);
+        Some((d, leftover))
     }
 
     /// Whether the message with `digest` is a leftover copy of one this traversal already met:

@@ -936,31 +936,27 @@ impl<'a> Drain<'a> {
                 break;
             }
             self.seen += 1;
-            if !delivery.exchange.as_str().is_empty() {
-                if let Some(r) = watch::route_of(&delivery) {
-                    self.routes.insert(r);
-                }
-            }
+            watch::note_route(&mut self.routes, &delivery);
             let props = &delivery.properties;
             let identity = message::identity(props, &delivery.data);
             let fingerprint = message::fingerprint(props, &delivery.data);
-            let mut digest = None;
-            if let Some((_, ledger)) = self.keeper.as_mut().filter(|(_, l)| l.doubts()) {
-                let d = keep::digest(props, &delivery.data);
-                if ledger.is_leftover(&d) {
-                    items.push(Item {
-                        delivery,
-                        identity,
-                        fingerprint,
-                        digest: Some(d),
-                        moved: None,
-                        key: None,
-                        act: Act::Leftover,
-                    });
-                    continue;
-                }
-                digest = Some(d);
+            let met = self
+                .keeper
+                .as_mut()
+                .and_then(|(_, ledger)| ledger.meet(props, &delivery.data));
+            if let Some((d, true)) = met {
+                items.push(Item {
+                    delivery,
+                    identity,
+                    fingerprint,
+                    digest: Some(d),
+                    moved: None,
+                    key: None,
+                    act: Act::Leftover,
+                });
+                continue;
             }
+            let digest = met.map(|(d, _)| d);
             let verdict = if self.limit_reached() {
                 Verdict::Skip(SkipReason::NotSelected("selector.limit reached".into()))
             } else {
@@ -1364,7 +1360,7 @@ impl<'a> Drain<'a> {
         src.ack(&acks, acks.len() == items.len(), items.len())
             .await?;
         // The moves' ledger counts come back once the queue has applied the acks (see
-        // source::applied): the pass takes its last message with basic.get after every other
+        // source::get_one): the pass takes its last message with basic.get after every other
         // ack, which makes sure of that for every batch but the last; those are taken back when
         // the pass closes, the last batch's stay for the next traversal to settle.
         let earlier = std::mem::replace(&mut self.last_moved, moved_digests);

@@ -9,7 +9,7 @@
 use std::collections::{BTreeSet, VecDeque};
 
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicGetOptions};
+use lapin::options::BasicAckOptions;
 use lapin::{Channel, Connection};
 use redis::aio::ConnectionManager;
 
@@ -85,29 +85,17 @@ impl Scan {
             }
             let d = match self.ahead.pop_front() {
                 Some(d) => d,
-                None => match self
-                    .ch
-                    .basic_get(
-                        self.queue.as_str().into(),
-                        BasicGetOptions { no_ack: false },
-                    )
-                    .await?
-                {
-                    Some(m) => m.delivery,
+                None => match source::get_one(&self.ch, &self.queue).await? {
+                    Some(d) => d,
                     None => return Ok(None),
                 },
             };
             self.taken += 1;
-            if let Some(r) = watch::route_of(&d) {
-                self.routes.insert(r);
-            }
-            if self.ledger.doubts() {
-                let digest = keep::digest(&d.properties, &d.data);
-                if self.ledger.is_leftover(&digest) {
-                    tracing::info!(queue = %self.queue, "dropping a leftover copy of an interrupted move");
-                    self.leftovers.push((d.delivery_tag, digest));
-                    continue;
-                }
+            watch::note_route(&mut self.routes, &d);
+            if let Some((digest, true)) = self.ledger.meet(&d.properties, &d.data) {
+                tracing::info!(queue = %self.queue, "dropping a leftover copy of an interrupted move");
+                self.leftovers.push((d.delivery_tag, digest));
+                continue;
             }
             return Ok(Some(d));
         }
@@ -182,10 +170,10 @@ impl Scan {
         Ok(())
     }
 
-    /// Wait until the queue has applied this channel's acks ([`source::applied`]). The message
+    /// Wait until the queue has applied this channel's acks ([`source::get_one`]). The message
     /// the wait takes is the traversal's next one, or, past its bound, handed back.
     async fn wait_applied(&mut self) -> Result<(), Error> {
-        let Some(d) = source::applied(&self.ch, &self.queue).await? else {
+        let Some(d) = source::get_one(&self.ch, &self.queue).await? else {
             return Ok(());
         };
         if self.taken + (self.ahead.len() as u64) < self.depth {

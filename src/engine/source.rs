@@ -9,7 +9,7 @@
 //! broker deliver past the bound, the consumer is cancelled and the rest of the bound is taken
 //! with `basic.get`, one message at a time, exactly; the very last one alone, after every other
 //! ack, so that a quorum queue has applied those acks before the pass closes its channel (see
-//! [`applied`]).
+//! [`get_one`]).
 
 use std::time::Duration;
 
@@ -45,8 +45,8 @@ pub async fn queue_state(conn: &Connection, queue: &str) -> Result<Option<(u32, 
     }
 }
 
-/// Wait until `queue` has applied every ack sent on `ch` so far, and return the message that
-/// waiting took, if any.
+/// Take `queue`'s next message with `basic.get` on `ch` (`None`: the queue is empty). The answer
+/// also means the queue has applied every ack sent on `ch` before it.
 ///
 /// A quorum queue applies acks asynchronously (they are Raft commands the channel pipelines);
 /// a channel that closes before they are applied gets the acked messages back, each with one more
@@ -56,14 +56,14 @@ pub async fn queue_state(conn: &Connection, queue: &str) -> Result<Option<(u32, 
 /// it. It may take a message: the caller makes it the next message of its traversal, or, past
 /// the traversal's bound, hands it back with [`hand_back`] (one delivery on one message beyond
 /// the pass, which the next traversal moves and so resets).
-pub async fn applied(ch: &Channel, queue: &str) -> Result<Option<Delivery>, Error> {
+pub async fn get_one(ch: &Channel, queue: &str) -> Result<Option<Delivery>, Error> {
     let got = ch
         .basic_get(queue.into(), BasicGetOptions { no_ack: false })
         .await?;
     Ok(got.map(|m| m.delivery))
 }
 
-/// Give a message back to its queue, in its place (a requeue), e.g. the one [`applied`] took past
+/// Give a message back to its queue, in its place (a requeue), e.g. the one [`get_one`] took past
 /// a traversal's bound.
 pub async fn hand_back(ch: &Channel, d: Delivery) -> Result<(), Error> {
     ch.basic_nack(
@@ -115,7 +115,7 @@ impl Source {
         let channel = conn.create_channel().await?;
         // The consumer never delivers the pass's last message: that one is taken with
         // basic.get, after every other ack, which makes the queue apply those acks first (see
-        // [`applied`]); so the close that follows cannot give acked messages back.
+        // [`get_one`]); so the close that follows cannot give acked messages back.
         let prefetch = u64::from(window).min(bound.saturating_sub(1));
         let mut src = Self {
             channel,
@@ -163,12 +163,13 @@ impl Source {
             // message's ack (see `open`).
             let left = self.bound - self.delivered - batch.len() as u64;
             let room = (max - batch.len()) as u64;
-            let take = if left > 1 {
-                room.min(left - 1)
-            } else {
-                room.min(left)
+            let take = match left {
+                0 => 0,
+                1 if batch.is_empty() => 1,
+                1 => 0,
+                _ => room.min(left - 1),
             };
-            if take > 0 && (batch.is_empty() || left > 1) {
+            if take > 0 {
                 let upto = batch.len() + take as usize;
                 self.get(&mut batch, upto, idle).await?;
             }
@@ -215,15 +216,8 @@ impl Source {
         idle: Duration,
     ) -> Result<(), Error> {
         while batch.len() < max {
-            let got = self
-                .channel
-                .basic_get(
-                    self.queue.as_str().into(),
-                    BasicGetOptions { no_ack: false },
-                )
-                .await?;
-            match got {
-                Some(m) => batch.push(m.delivery),
+            match get_one(&self.channel, &self.queue).await? {
+                Some(d) => batch.push(d),
                 None if batch.is_empty() => {
                     // Nothing ready: wait as a consumer would have.
                     tokio::time::sleep(idle).await;

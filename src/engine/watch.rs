@@ -33,14 +33,22 @@ pub struct Route {
     pub routing_key: String,
 }
 
-/// The route a delivery from `queue` arrived by, unless it came through the default exchange
-/// (published straight to the queue: a moved copy, or a DLX of `""`).
-pub fn route_of(d: &Delivery) -> Option<Route> {
-    let exchange = d.exchange.as_str();
-    (!exchange.is_empty()).then(|| Route {
+/// Add the route `d` arrived by to `routes`, unless it came through the default exchange
+/// (published straight to the queue: a moved copy, or a DLX of `""`). Called for every message
+/// of a pass: a route already known (the set holds a handful) costs no allocation.
+pub fn note_route(routes: &mut BTreeSet<Route>, d: &Delivery) {
+    let (exchange, key) = (d.exchange.as_str(), d.routing_key.as_str());
+    if exchange.is_empty()
+        || routes
+            .iter()
+            .any(|r| r.exchange == exchange && r.routing_key == key)
+    {
+        return;
+    }
+    routes.insert(Route {
         exchange: exchange.into(),
-        routing_key: d.routing_key.as_str().into(),
-    })
+        routing_key: key.into(),
+    });
 }
 
 /// How long the routes of a queue are remembered after its last traversal.
