@@ -225,13 +225,13 @@ async fn a_finished_replay_run_again_reports_its_result_and_replays_nothing(t: T
     w.cleanup().await;
 }
 
-matrix!(plan_and_dry_run_leave_the_queue_exactly_as_it_was);
-async fn plan_and_dry_run_leave_the_queue_exactly_as_it_was(t: Target) {
-    let w = World::on("plan", &t).await;
-    let mut jobs: Vec<_> = (0..30)
+/// `n` jobs `<prefix>0..`, every third of show "weekly", the rest "daily", then one whose body is
+/// not JSON (`broken`).
+fn shows_and_a_broken_one(prefix: &str, n: usize) -> Vec<(lapin::BasicProperties, Vec<u8>)> {
+    let mut jobs: Vec<_> = (0..n)
         .map(|i| {
             job(
-                &format!("p{i}"),
+                &format!("{prefix}{i}"),
                 json!({"show": if i % 3 == 0 {"weekly"} else {"daily"}}),
             )
         })
@@ -239,7 +239,13 @@ async fn plan_and_dry_run_leave_the_queue_exactly_as_it_was(t: Target) {
     let mut broken = job("broken", json!({}));
     broken.1 = b"{not json".to_vec();
     jobs.push(broken);
-    w.dead_letter(jobs).await;
+    jobs
+}
+
+matrix!(plan_and_dry_run_leave_the_queue_exactly_as_it_was);
+async fn plan_and_dry_run_leave_the_queue_exactly_as_it_was(t: Target) {
+    let w = World::on("plan", &t).await;
+    w.dead_letter(shows_and_a_broken_one("p", 30)).await;
     w.set(&w.key("p1"), "done").await;
     let before = w.peek(&w.topo.dlq).await;
     let spec = format!(
@@ -571,18 +577,7 @@ async fn plan_run_100_times_leaves_every_message_in_place(t: Target) {
     let w = World::on_with("plan100", &t, |topo: Topology| topo.delivery_limit(limit)).await;
     // What the DLQ holds, from a copy of every dead letter: the DLQ itself is not looked at.
     let mirror = w.mirror_dlq().await;
-    let mut jobs: Vec<_> = (0..40)
-        .map(|i| {
-            job(
-                &format!("m{i}"),
-                json!({"show": if i % 3 == 0 {"weekly"} else {"daily"}}),
-            )
-        })
-        .collect();
-    let mut broken = job("broken", json!({}));
-    broken.1 = b"{not json".to_vec();
-    jobs.push(broken);
-    w.dead_letter(jobs).await;
+    w.dead_letter(shows_and_a_broken_one("m", 40)).await;
     let before = w.take(&mirror).await;
     assert_eq!(before.len(), 41);
     assert!(before.iter().all(|m| m.headers.contains_key("x-death")));
