@@ -220,7 +220,7 @@ async fn a_copy_a_crash_left_twice_is_dropped_once_by_the_next_traversal(t: Targ
     )
     .await
     .unwrap();
-    until_depth(&w, &w.topo.dlq, 7).await;
+    assert!(support::faults::until_depth(&w, &w.topo.dlq, 7, Duration::from_secs(5)).await);
     let report = dlq_replay::engine::plan::plan(&w.replay(&w.manifest("")))
         .await
         .expect("plan");
@@ -241,13 +241,4 @@ async fn a_copy_a_crash_left_twice_is_dropped_once_by_the_next_traversal(t: Targ
     let last = keep::digest(&before[4].props, &before[4].body);
     assert!(left.keys().all(|d| *d == last), "{left:?}");
     w.cleanup().await;
-}
-
-async fn until_depth(w: &World, queue: &str, n: u32) {
-    for _ in 0..100 {
-        if w.depth(queue).await == n {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
