@@ -171,28 +171,28 @@ pub async fn send(
         );
     }
     if let Some(why) = refused {
-        put_back(scan, by_sig, true).await?;
+        put_back(scan, by_sig).await?;
         return Ok(Selection::Refused(why));
     }
     if let Some(max) = spec.poison.max_quarantine_ratio {
         if scanned > 0 && poison as f64 / scanned as f64 > max {
-            put_back(scan, by_sig, true).await?;
+            put_back(scan, by_sig).await?;
             return Ok(Selection::Refused(format!(
                 "{poison} of {scanned} messages are poison, more than poison.maxQuarantineRatio {max}: the fix is probably not deployed; nothing was replayed"
             )));
         }
     }
     if let Some(why) = pending {
-        put_back(scan, by_sig, true).await?;
+        put_back(scan, by_sig).await?;
         return Ok(Selection::Pending(why, checked));
     }
     if by_sig.is_empty() {
-        scan.finish(true).await?;
+        scan.finish().await?;
         return Ok(Selection::Nothing);
     }
     // Checked once more: the traversal took a while.
     if let Some(why) = preflight(ground.conn, spec, &checked).await? {
-        put_back(scan, by_sig, true).await?;
+        put_back(scan, by_sig).await?;
         return Ok(Selection::Pending(why, checked));
     }
     let mut cands: Vec<Candidate> = by_sig.into_values().collect();
@@ -222,22 +222,18 @@ pub async fn send(
         cands,
     )
     .await?;
-    scan.finish(true).await?;
+    scan.finish().await?;
     watch.returns = returns;
     watch.baselines = baselines;
     Ok(Selection::Sent(Box::new(watch)))
 }
 
 /// Move the held candidates back into the queue and end the traversal.
-async fn put_back(
-    mut scan: Scan,
-    by_sig: BTreeMap<String, Candidate>,
-    complete: bool,
-) -> Result<(), Error> {
+async fn put_back(mut scan: Scan, by_sig: BTreeMap<String, Candidate>) -> Result<(), Error> {
     for c in by_sig.into_values() {
         scan.keep(c.delivery).await?;
     }
-    scan.finish(complete).await
+    scan.finish().await
 }
 
 async fn is_done(
@@ -556,7 +552,7 @@ impl Watch {
                 }
                 scan.keep(d).await?;
             }
-            scan.finish(true).await?;
+            scan.finish().await?;
             self.mark(found);
             self.baselines.insert(q, now);
         }

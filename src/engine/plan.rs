@@ -118,7 +118,7 @@ pub async fn plan(replay: &Replay) -> Result<PlanReport, Error> {
         }
     }
     resolve(replay, con.as_mut(), &mut pending, &mut report).await?;
-    scan.finish(true).await?;
+    scan.finish().await?;
     let _ = conn.close(200, "plan done".into()).await;
     Ok(report)
 }

@@ -185,10 +185,10 @@ impl Scan {
     }
 
     /// End the traversal: move what is still to be kept, settle the ledger when every message
-    /// was met (`complete`), remember the dead-letter routes seen, close the channel.
-    pub async fn finish(mut self, complete: bool) -> Result<(), Error> {
+    /// the queue held was met, remember the dead-letter routes seen, close the channel.
+    pub async fn finish(mut self) -> Result<(), Error> {
         self.flush().await?;
-        if complete && self.taken >= self.depth {
+        if self.taken >= self.depth {
             self.ledger.resolved().await?;
         }
         watch::learn(&mut self.redis, &self.amqp_url, &self.queue, &self.routes).await?;
