@@ -1,7 +1,7 @@
 //! `/metrics` (OpenMetrics text), `/healthz` and `/readyz` for the operator.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -38,6 +38,56 @@ pub struct RetryLabel {
     pub of: String,
 }
 
+/// The labels of one replay: its namespace and name.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReplayLabel {
+    /// The replay's namespace.
+    pub namespace: String,
+    /// The replay's name.
+    pub name: String,
+}
+
+/// The labels of one replay and its phase.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReplayPhaseLabel {
+    /// The replay's namespace.
+    pub namespace: String,
+    /// The replay's name.
+    pub name: String,
+    /// Its phase.
+    pub phase: String,
+}
+
+/// The labels of one count of one replay.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReplayCountLabel {
+    /// The replay's namespace.
+    pub namespace: String,
+    /// The replay's name.
+    pub name: String,
+    /// The field of `status.counts`: scanned, replayed, duplicates, quarantined, skipped,
+    /// failed, returned.
+    pub of: String,
+}
+
+/// The labels of one canary result of one replay.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReplayCanaryLabel {
+    /// The replay's namespace.
+    pub namespace: String,
+    /// The replay's name.
+    pub name: String,
+    /// Waiting, Passed, Confirmed, DiedAgain or Unconfirmed.
+    pub result: String,
+}
+
+/// The per-replay series one replay has, so that they can be moved or removed.
+#[derive(Clone, Debug, Default)]
+struct ReplaySeries {
+    phase: Option<String>,
+    canary_results: Vec<String>,
+}
+
 /// The operator's metrics.
 pub struct Metrics {
     /// Messages by decision.
@@ -52,6 +102,16 @@ pub struct Metrics {
     pub retries: Family<RetryLabel, Counter>,
     /// Whether this instance leads (drives replays).
     pub leader: Gauge,
+    /// Per replay (leader only): the Unix time this operator first saw the replay in its current
+    /// phase; one series per replay, labelled with that phase.
+    pub replay_phase_since: Family<ReplayPhaseLabel, Gauge>,
+    /// Per replay (leader only): `status.counts`, by field.
+    pub replay_messages: Family<ReplayCountLabel, Counter>,
+    /// Per replay (leader only): its canaries, by result.
+    pub replay_canaries: Family<ReplayCanaryLabel, Gauge>,
+    /// Per replay (leader only, when set): `spec.poison.maxQuarantineRatio`.
+    pub replay_max_quarantine_ratio: Family<ReplayLabel, Gauge<f64, AtomicU64>>,
+    replay_series: Mutex<BTreeMap<(String, String), ReplaySeries>>,
     registry: Registry,
     ready: AtomicBool,
     parts: Mutex<BTreeMap<String, Part>>,
@@ -104,10 +164,39 @@ impl Metrics {
             "1 when this instance drives replays",
             leader.clone(),
         );
+        let replay_phase_since = Family::<ReplayPhaseLabel, Gauge>::default();
+        let replay_messages = Family::<ReplayCountLabel, Counter>::default();
+        let replay_canaries = Family::<ReplayCanaryLabel, Gauge>::default();
+        let replay_max_quarantine_ratio = Family::<ReplayLabel, Gauge<f64, AtomicU64>>::default();
+        registry.register(
+            "replay_phase_since_seconds",
+            "Per replay: Unix time this operator first saw it in its current phase (label phase)",
+            replay_phase_since.clone(),
+        );
+        registry.register(
+            "replay_messages",
+            "Per replay: status.counts by field (scanned, replayed, duplicates, quarantined, skipped, failed, returned)",
+            replay_messages.clone(),
+        );
+        registry.register(
+            "replay_canaries",
+            "Per replay: canaries by result",
+            replay_canaries.clone(),
+        );
+        registry.register(
+            "replay_max_quarantine_ratio",
+            "Per replay: spec.poison.maxQuarantineRatio, when set",
+            replay_max_quarantine_ratio.clone(),
+        );
         Arc::new(Self {
             messages,
             replays,
             leader,
+            replay_phase_since,
+            replay_messages,
+            replay_canaries,
+            replay_max_quarantine_ratio,
+            replay_series: Mutex::default(),
             publish_latency,
             double_published,
             retries,
@@ -169,6 +258,170 @@ impl Metrics {
                 })
                 .inc();
         }
+    }
+
+    /// Show one replay as its status and spec now are in the per-replay series: its phase (with
+    /// the time it was first seen in it, kept while the phase holds), its counts, its canaries
+    /// by result and its `maxQuarantineRatio`. Counts that went down (a new replay under the
+    /// same name) start their series over.
+    pub fn observe_replay(
+        &self,
+        namespace: &str,
+        name: &str,
+        status: Option<&crate::api::DlqReplayStatus>,
+        max_quarantine_ratio: Option<f64>,
+    ) {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+        self.observe_replay_at(namespace, name, status, max_quarantine_ratio, now);
+    }
+
+    fn observe_replay_at(
+        &self,
+        namespace: &str,
+        name: &str,
+        status: Option<&crate::api::DlqReplayStatus>,
+        max_quarantine_ratio: Option<f64>,
+        now: i64,
+    ) {
+        let default = crate::api::DlqReplayStatus::default();
+        let status = status.unwrap_or(&default);
+        let (ns, n) = (namespace.to_string(), name.to_string());
+        let mut all = self.replay_series.lock().unwrap_or_else(|p| p.into_inner());
+        let seen = all.entry((ns.clone(), n.clone())).or_default();
+        let phase = status
+            .phase
+            .unwrap_or(crate::api::Phase::Pending)
+            .to_string();
+        if seen.phase.as_deref() != Some(phase.as_str()) {
+            if let Some(old) = seen.phase.take() {
+                self.replay_phase_since.remove(&ReplayPhaseLabel {
+                    namespace: ns.clone(),
+                    name: n.clone(),
+                    phase: old,
+                });
+            }
+            self.replay_phase_since
+                .get_or_create(&ReplayPhaseLabel {
+                    namespace: ns.clone(),
+                    name: n.clone(),
+                    phase: phase.clone(),
+                })
+                .set(now);
+            seen.phase = Some(phase);
+        }
+        let c = &status.counts;
+        for (of, value) in Self::count_fields(c) {
+            let label = ReplayCountLabel {
+                namespace: ns.clone(),
+                name: n.clone(),
+                of: of.into(),
+            };
+            let counter = self.replay_messages.get_or_create(&label);
+            let current = counter.get();
+            if value >= current {
+                counter.inc_by(value - current);
+            } else {
+                drop(counter);
+                self.replay_messages.remove(&label);
+                self.replay_messages.get_or_create(&label).inc_by(value);
+            }
+        }
+        let mut by_result: BTreeMap<String, i64> = BTreeMap::new();
+        for canary in &status.canary {
+            *by_result.entry(format!("{:?}", canary.result)).or_default() += 1;
+        }
+        for old in &seen.canary_results {
+            if !by_result.contains_key(old) {
+                self.replay_canaries.remove(&ReplayCanaryLabel {
+                    namespace: ns.clone(),
+                    name: n.clone(),
+                    result: old.clone(),
+                });
+            }
+        }
+        for (result, count) in &by_result {
+            self.replay_canaries
+                .get_or_create(&ReplayCanaryLabel {
+                    namespace: ns.clone(),
+                    name: n.clone(),
+                    result: result.clone(),
+                })
+                .set(*count);
+        }
+        seen.canary_results = by_result.into_keys().collect();
+        let label = ReplayLabel {
+            namespace: ns,
+            name: n,
+        };
+        match max_quarantine_ratio {
+            Some(max) => {
+                self.replay_max_quarantine_ratio
+                    .get_or_create(&label)
+                    .set(max);
+            }
+            None => {
+                self.replay_max_quarantine_ratio.remove(&label);
+            }
+        }
+    }
+
+    fn count_fields(c: &crate::api::Counts) -> [(&'static str, u64); 7] {
+        [
+            ("scanned", c.scanned),
+            ("replayed", c.replayed),
+            ("duplicates", c.duplicates),
+            ("quarantined", c.quarantined),
+            ("skipped", c.skipped),
+            ("failed", c.failed),
+            ("returned", c.returned),
+        ]
+    }
+
+    /// Remove one replay's per-replay series (it was deleted).
+    pub fn forget_replay(&self, namespace: &str, name: &str) {
+        let mut all = self.replay_series.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(seen) = all.remove(&(namespace.to_string(), name.to_string())) else {
+            return;
+        };
+        let (ns, n) = (namespace.to_string(), name.to_string());
+        if let Some(phase) = seen.phase {
+            self.replay_phase_since.remove(&ReplayPhaseLabel {
+                namespace: ns.clone(),
+                name: n.clone(),
+                phase,
+            });
+        }
+        for (of, _) in Self::count_fields(&crate::api::Counts::default()) {
+            self.replay_messages.remove(&ReplayCountLabel {
+                namespace: ns.clone(),
+                name: n.clone(),
+                of: of.into(),
+            });
+        }
+        for result in seen.canary_results {
+            self.replay_canaries.remove(&ReplayCanaryLabel {
+                namespace: ns.clone(),
+                name: n.clone(),
+                result,
+            });
+        }
+        self.replay_max_quarantine_ratio.remove(&ReplayLabel {
+            namespace: ns,
+            name: n,
+        });
+    }
+
+    /// Remove every per-replay series (this instance stopped leading: the next leader shows
+    /// them).
+    pub fn forget_replays(&self) {
+        let mut all = self.replay_series.lock().unwrap_or_else(|p| p.into_inner());
+        all.clear();
+        self.replay_phase_since.clear();
+        self.replay_messages.clear();
+        self.replay_canaries.clear();
+        self.replay_max_quarantine_ratio.clear();
     }
 
     /// Mark the operator ready (its watch is up).
@@ -301,6 +554,70 @@ mod tests {
         m.alive("lease", Some(Duration::ZERO));
         std::thread::sleep(Duration::from_millis(5));
         assert!(m.health().unwrap_err().starts_with("lease stalled"));
+    }
+
+    #[test]
+    fn a_replay_shows_its_phase_since_counts_canaries_and_ratio_until_forgotten() {
+        use crate::api::{CanaryResult, CanaryStatus, DlqReplayStatus, Phase};
+        let m = Metrics::new();
+        let mut s = DlqReplayStatus {
+            phase: Some(Phase::Pending),
+            ..Default::default()
+        };
+        m.observe_replay_at("media", "ep", Some(&s), Some(0.1), 100);
+        m.observe_replay_at("media", "ep", Some(&s), Some(0.1), 200);
+        let text = m.encode();
+        assert!(
+            text.contains(r#"dlq_replay_replay_phase_since_seconds{namespace="media",name="ep",phase="Pending"} 100"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                r#"dlq_replay_replay_max_quarantine_ratio{namespace="media",name="ep"} 0.1"#
+            ),
+            "{text}"
+        );
+        s.phase = Some(Phase::Draining);
+        s.counts.scanned = 10;
+        s.counts.quarantined = 3;
+        s.canary = vec![
+            CanaryStatus {
+                result: CanaryResult::Passed,
+                ..Default::default()
+            },
+            CanaryStatus {
+                result: CanaryResult::Passed,
+                ..Default::default()
+            },
+        ];
+        m.observe_replay_at("media", "ep", Some(&s), None, 300);
+        let text = m.encode();
+        assert!(!text.contains(r#"phase="Pending""#), "{text}");
+        assert!(text.contains(r#"phase="Draining"} 300"#), "{text}");
+        assert!(text.contains(r#"dlq_replay_replay_messages_total{namespace="media",name="ep",of="quarantined"} 3"#), "{text}");
+        assert!(
+            text.contains(
+                r#"dlq_replay_replay_canaries{namespace="media",name="ep",result="Passed"} 2"#
+            ),
+            "{text}"
+        );
+        assert!(
+            !text.contains("dlq_replay_replay_max_quarantine_ratio{"),
+            "{text}"
+        );
+        // A new replay under the same name: its counts start over.
+        s.counts.scanned = 4;
+        s.canary.clear();
+        m.observe_replay_at("media", "ep", Some(&s), None, 400);
+        let text = m.encode();
+        assert!(text.contains(r#"of="scanned"} 4"#), "{text}");
+        assert!(!text.contains("result=\"Passed\""), "{text}");
+        m.forget_replay("media", "ep");
+        let text = m.encode();
+        assert!(!text.contains(r#"name="ep""#), "{text}");
+        m.observe_replay_at("media", "ep", Some(&s), None, 500);
+        m.forget_replays();
+        assert!(!m.encode().contains(r#"name="ep""#));
     }
 
     #[test]

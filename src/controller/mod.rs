@@ -312,6 +312,8 @@ pub async fn run_until(
         metrics.died(CONTROLLER_PART, why);
     }
     ctx.stop_all().await;
+    // The next leader shows the replays; series left here would be stale.
+    metrics.forget_replays();
     match died {
         Some(why) => Err(why),
         None => {
@@ -362,6 +364,13 @@ async fn apply(obj: Arc<DlqReplay>, ctx: Arc<Context>) -> Result<Action, Error> 
         }
         return Ok(Action::requeue(Duration::from_secs(30)));
     }
+    // Not running here: its stored status is current (a running one's is shown by its writes).
+    crate::metrics::Metrics::global().observe_replay(
+        &obj.namespace().unwrap_or_else(|| "default".into()),
+        &obj.name_any(),
+        obj.status.as_ref(),
+        obj.spec.poison.max_quarantine_ratio,
+    );
     if phase.is_some_and(Phase::is_terminal) {
         return retry_if_asked(&ctx, &obj).await;
     }
@@ -587,6 +596,10 @@ async fn cleanup(obj: Arc<DlqReplay>, ctx: Arc<Context>) -> Result<Action, Error
         t.cancel.cancel();
         let _ = t.handle.await;
     }
+    crate::metrics::Metrics::global().forget_replay(
+        &obj.namespace().unwrap_or_else(|| "default".into()),
+        &obj.name_any(),
+    );
     Ok(Action::await_change())
 }
 
@@ -673,6 +686,12 @@ async fn write_status(
         &status.counts,
     );
     metrics.phase_change(old_phase, status.phase);
+    metrics.observe_replay(
+        &ns,
+        &name,
+        Some(&status),
+        obj.spec.poison.max_quarantine_ratio,
+    );
     if old_phase != status.phase {
         publish_event(ctx, obj, &status).await;
     }

@@ -12,9 +12,22 @@ pub fn now() -> Time {
     Time(k8s_openapi::jiff::Timestamp::from_microsecond(micros).unwrap_or_default())
 }
 
-/// The standard conditions of a status: `Ready` (the replay reached Done), `Progressing` (it is
-/// moving), `Degraded` (it stopped short), each with the `observedGeneration` it was computed
-/// for. `lastTransitionTime` is kept while a condition's status does not change.
+/// The conditions of a status, each with the `observedGeneration` it was computed for;
+/// `lastTransitionTime` is kept while a condition's status does not change.
+///
+/// | phase                        | Ready | Reconciling | Stalled | Progressing | Degraded |
+/// |------------------------------|-------|-------------|---------|-------------|----------|
+/// | Pending                      | False | True        | False   | False       | False    |
+/// | Canary, Draining             | False | True        | False   | True        | False    |
+/// | Done                         | True  | False       | False   | False       | False    |
+/// | Failed (InvalidSpec too), CanaryFailed | False | False | True | False     | True     |
+/// | Suspended                    | False | False       | False   | False       | False    |
+///
+/// `Ready`, `Reconciling` and `Stalled` are the conditions kstatus (Flux, `kubectl wait`,
+/// cli-utils) reads: `Reconciling` and `Stalled` have abnormal-true polarity, so a Done replay
+/// is Current, a running or waiting one InProgress and a failed one Failed. A Suspended replay
+/// is none of them (kstatus knows no suspension): it is Current but not Ready, and its phase
+/// says why. `Progressing` and `Degraded` are kept as they were (older readers use them).
 pub fn conditions(
     status: &DlqReplayStatus,
     previous: &[Condition],
@@ -32,6 +45,14 @@ pub fn conditions(
         ),
         (
             "Degraded",
+            matches!(phase, Phase::Failed | Phase::CanaryFailed),
+        ),
+        (
+            "Reconciling",
+            matches!(phase, Phase::Pending | Phase::Canary | Phase::Draining),
+        ),
+        (
+            "Stalled",
             matches!(phase, Phase::Failed | Phase::CanaryFailed),
         ),
     ];
@@ -169,6 +190,83 @@ mod tests {
             c.iter().find(|c| c.type_ == "Ready").unwrap().status,
             "False"
         );
+    }
+
+    /// The condition `type_` of `phase`: True or False.
+    fn condition_of(phase: Phase, type_: &str) -> String {
+        conditions(&st(phase, "x"), &[], Some(1), &t(0))
+            .into_iter()
+            .find(|c| c.type_ == type_)
+            .map(|c| c.status)
+            .unwrap_or_else(|| panic!("no {type_} condition for {phase}"))
+    }
+
+    #[test]
+    fn kstatus_reads_each_phase_right() {
+        // (phase, Ready, Reconciling, Stalled): kstatus' Current, InProgress, Failed.
+        let table = [
+            (Phase::Pending, "False", "True", "False"),
+            (Phase::Canary, "False", "True", "False"),
+            (Phase::Draining, "False", "True", "False"),
+            (Phase::Done, "True", "False", "False"),
+            (Phase::Failed, "False", "False", "True"),
+            (Phase::CanaryFailed, "False", "False", "True"),
+            (Phase::Suspended, "False", "False", "False"),
+        ];
+        // Every phase is in the table (a new one must be placed).
+        let schema = serde_json::to_value(schemars::schema_for!(Phase)).unwrap();
+        let names: Vec<String> = schema["enum"]
+            .as_array()
+            .or_else(|| schema["oneOf"].as_array())
+            .unwrap()
+            .iter()
+            .map(|v| {
+                v.as_str()
+                    .map(String::from)
+                    .or_else(|| v["enum"][0].as_str().map(String::from))
+                    .or_else(|| v["const"].as_str().map(String::from))
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(names.len(), table.len(), "{names:?}");
+        for name in &names {
+            assert!(
+                table.iter().any(|(p, ..)| p.to_string() == *name),
+                "phase {name} has no row"
+            );
+        }
+        for (phase, ready, reconciling, stalled) in table {
+            assert_eq!(condition_of(phase, "Ready"), ready, "{phase} Ready");
+            assert_eq!(
+                condition_of(phase, "Reconciling"),
+                reconciling,
+                "{phase} Reconciling"
+            );
+            assert_eq!(condition_of(phase, "Stalled"), stalled, "{phase} Stalled");
+            // Never two of kstatus' three at once.
+            let on = [ready, reconciling, stalled]
+                .iter()
+                .filter(|s| **s == "True")
+                .count();
+            assert!(on <= 1, "{phase}");
+        }
+        // The older conditions stay as they were.
+        assert_eq!(condition_of(Phase::Draining, "Progressing"), "True");
+        assert_eq!(condition_of(Phase::Pending, "Progressing"), "False");
+        assert_eq!(condition_of(Phase::Failed, "Degraded"), "True");
+        // An invalid spec is Failed with reason InvalidSpec: Stalled, with that reason.
+        let c = conditions(
+            &st(Phase::Failed, "InvalidSpec: spec.x is bad"),
+            &[],
+            Some(2),
+            &t(0),
+        );
+        let stalled = c.iter().find(|c| c.type_ == "Stalled").unwrap();
+        assert_eq!(
+            (stalled.status.as_str(), stalled.reason.as_str()),
+            ("True", "InvalidSpec")
+        );
+        assert_eq!(stalled.observed_generation, Some(2));
     }
 
     #[test]
