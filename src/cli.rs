@@ -1,4 +1,4 @@
-//! The `dlq-replay` command line: `run`, `plan`, `audit`, `demo`, `crd`.
+//! The `dlq-replay` command line: `run`, `plan`, `audit`, `report`, `demo`, `crd`.
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
@@ -31,6 +31,8 @@ pub enum Command {
     Plan(PlanArgs),
     /// Export the audit trail of a replay.
     Audit(AuditArgs),
+    /// Write a replay's incident report (HTML or Markdown) from its audit trail and status.
+    Report(ReportArgs),
     /// Build real dead letters on the local broker and replay them end to end.
     Demo(DemoArgs),
     /// Print the CustomResourceDefinition.
@@ -190,6 +192,25 @@ pub struct AuditArgs {
     pub format: AuditFormat,
 }
 
+/// `report` arguments.
+#[derive(Args, Debug)]
+pub struct ReportArgs {
+    /// The DlqReplay manifest whose report to write.
+    #[arg(short = 'f', long = "filename", required_unless_present = "key")]
+    pub file: Option<String>,
+    /// The audit stream key (status.audit.key) instead of a manifest.
+    #[arg(long)]
+    pub key: Option<String>,
+    #[command(flatten)]
+    pub endpoints: Endpoints,
+    /// Page format.
+    #[arg(long, value_enum, default_value_t)]
+    pub format: crate::report::Format,
+    /// Write to this file instead of standard output.
+    #[arg(short = 'o', long)]
+    pub output: Option<std::path::PathBuf>,
+}
+
 /// `demo` arguments.
 #[derive(Args, Debug)]
 pub struct DemoArgs {
@@ -206,6 +227,7 @@ pub async fn main(cli: Cli) -> ExitCode {
         Command::Run(a) => run(a).await,
         Command::Plan(a) => plan(a).await,
         Command::Audit(a) => audit(a).await,
+        Command::Report(a) => report(a).await,
         Command::Demo(a) => crate::demo::run(a).await,
         Command::Crd => crd(),
         Command::Operator(a) => operator(a).await,
@@ -568,6 +590,66 @@ async fn audit(args: AuditArgs) -> Result<ExitCode, Error> {
     let rows = store::read_audit(&mut con, &key).await?;
     let mut out = std::io::stdout().lock();
     write_audit(&mut out, &rows, args.format).map_err(|e| Error::Io(e.to_string()))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn report(args: ReportArgs) -> Result<ExitCode, Error> {
+    use crate::report;
+    let (meta, redis_url) = match (&args.file, &args.key) {
+        (Some(f), _) => {
+            let resource = manifest::load(f)?;
+            let endpoints = Endpoints {
+                amqp_url: Some("amqp://unused".into()),
+                ..args.endpoints.clone()
+            };
+            let replay = resolve(&resource, &endpoints)?;
+            (report::load::meta_of(&resource), replay.redis_url)
+        }
+        (None, Some(k)) => {
+            let (namespace, name) = report::load::names_of_key(k).ok_or_else(|| {
+                Error::Config(format!(
+                    "--key {k:?}: not an audit key (dlq:audit:<namespace>/<name>/<replay id>)"
+                ))
+            })?;
+            let url = args
+                .endpoints
+                .redis_url
+                .clone()
+                .ok_or_else(|| Error::Config("--key needs --redis-url or REDIS_URL".into()))?;
+            let meta = report::Meta {
+                namespace,
+                name,
+                ..report::Meta::default()
+            };
+            (meta, url)
+        }
+        (None, None) => return Err(Error::Config("give -f MANIFEST or --key KEY".into())),
+    };
+    let (meta, status, rows) = report::load::load(&redis_url, meta, args.key.as_deref()).await?;
+    let mut model = report::Report::build(meta, &status, &rows);
+    model.generated = Some(chrono::Utc::now());
+    let page = report::render(&model, args.format);
+    match &args.output {
+        Some(path) => {
+            std::fs::write(path, &page)
+                .map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
+            eprintln!(
+                "report of {}/{} ({} audit rows, {} bytes): {}",
+                model.meta.namespace,
+                model.meta.name,
+                rows.len(),
+                page.len(),
+                path.display()
+            );
+        }
+        None => {
+            use std::io::Write as _;
+            std::io::stdout()
+                .lock()
+                .write_all(page.as_bytes())
+                .map_err(|e| Error::Io(e.to_string()))?;
+        }
+    }
     Ok(ExitCode::SUCCESS)
 }
 

@@ -14,6 +14,7 @@ pub mod fixture;
 pub mod manifest;
 pub mod metrics;
 pub mod redact;
+pub mod report;
 pub mod telemetry;
 pub mod tls;
 
