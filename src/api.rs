@@ -494,9 +494,11 @@ pub struct DlqReplayStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finished_at: Option<String>,
     /// Standard conditions (`metav1.Condition`), each with the `observedGeneration` it was set
-    /// for: `Ready` (True once Done), `Progressing` (True in Canary and Draining) and `Degraded`
-    /// (True in Failed and CanaryFailed). Their reason is the CamelCase word that starts
-    /// `message` (e.g. `SourceBusy`, `OperatorStopped`, `InvalidSpec`), else the phase.
+    /// for: `Ready` (True once Done), `Reconciling` (True in Pending, Canary and Draining) and
+    /// `Stalled` (True in Failed and CanaryFailed), as kstatus (Flux, `kubectl wait`) reads them;
+    /// also `Progressing` (True in Canary and Draining) and `Degraded` (True in Failed and
+    /// CanaryFailed). A Suspended replay has none True. Their reason is the CamelCase word that
+    /// starts `message` (e.g. `SourceBusy`, `OperatorStopped`, `InvalidSpec`), else the phase.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>,
     /// A one-line human summary.

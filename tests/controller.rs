@@ -117,6 +117,14 @@ fn phase(r: &DlqReplay) -> Option<Phase> {
 }
 
 /// What `kubectl get dlqreplays` prints, from the CRD's printer columns.
+/// The status (True/False) of the condition `type_`, as kstatus and `kubectl wait` read it.
+fn condition(r: &DlqReplay, type_: &str) -> Option<String> {
+    r.status
+        .as_ref()
+        .and_then(|s| s.conditions.iter().find(|c| c.type_ == type_))
+        .map(|c| c.status.clone())
+}
+
 fn kubectl_get(replays: &[DlqReplay]) -> String {
     let mut out = format!(
         "{:<16} {:<10} {:>9} {:>11} {:>12} {:>7}\n",
@@ -170,6 +178,9 @@ async fn apply_runs_the_replay_to_done_with_correct_counts_and_events(c: &Cluste
         .conditions
         .iter()
         .any(|c| c.type_ == "Ready" && c.status == "True"));
+    // kstatus: Current (`kubectl wait --for=condition=Ready` returns).
+    assert_eq!(condition(&r, "Reconciling").as_deref(), Some("False"));
+    assert_eq!(condition(&r, "Stalled").as_deref(), Some("False"));
     assert!(r.finalizers().iter().any(|f| f == controller::FINALIZER));
     // Conditions as metav1.Condition, each with the generation it was computed for; the status
     // is server-side applied by the operator's field manager (a real server records it).
@@ -316,10 +327,16 @@ async fn suspend_pauses_after_in_flight_settles_and_resume_finishes(c: &Cluster)
     )
     .await
     .unwrap();
-    let r = wait_for(&api, "sus", "Suspended", |r| {
+    // Suspended, and the status is of the new generation (kstatus and Argo CD wait for that),
+    // with none of Ready, Reconciling and Stalled True.
+    let r = wait_for(&api, "sus", "Suspended of generation 2", |r| {
         phase(r) == Some(Phase::Suspended)
+            && r.status.as_ref().and_then(|s| s.observed_generation) == r.metadata.generation
     })
     .await;
+    for type_ in ["Ready", "Reconciling", "Stalled"] {
+        assert_eq!(condition(&r, type_).as_deref(), Some("False"), "{type_}");
+    }
     let at_pause = r.status.unwrap().counts.replayed;
     assert!(at_pause < 60, "suspended too late");
     tokio::time::sleep(Duration::from_millis(800)).await;
@@ -467,6 +484,10 @@ async fn a_canary_that_dies_again_ends_canary_failed(c: &Cluster) {
         phase(r) == Some(Phase::CanaryFailed)
     })
     .await;
+    // kstatus: Failed.
+    assert_eq!(condition(&r, "Stalled").as_deref(), Some("True"));
+    assert_eq!(condition(&r, "Ready").as_deref(), Some("False"));
+    assert_eq!(condition(&r, "Reconciling").as_deref(), Some("False"));
     let s = r.status.unwrap();
     assert_eq!(s.canary[0].result, dlq_replay::api::CanaryResult::DiedAgain);
     assert_eq!(w.depth(&w.topo.dlq).await, 6);
@@ -863,6 +884,12 @@ async fn the_operator_binary_drives_a_replay_from_a_kubeconfig_and_serves_metric
         "{metrics}"
     );
     assert!(metrics.contains("dlq_replay_leader 1"), "{metrics}");
+    // The per-replay series the alerts and the dashboard read (deploy/monitoring).
+    assert!(
+        metrics.contains(r#"name="bin",phase="Done"}"#)
+            && metrics.contains(r#"name="bin",of="replayed"} 200"#),
+        "{metrics}"
+    );
     assert_eq!(w.take(&w.topo.work).await.len(), 200);
     let _ = child.kill().await;
     w.cleanup().await;
@@ -1064,6 +1091,12 @@ async fn sigterm_mid_drain(c: &Cluster, n: u64, rate: &str, progress: u64) {
     let r = wait_for(&api, "term", "Done", |r| phase(r) == Some(Phase::Done)).await;
     let metrics = http_get(b.port, "/metrics").await;
     assert!(metrics.contains("dlq_replay_leader 1"), "{metrics}");
+    // The per-replay series the alerts and the dashboard read (deploy/monitoring).
+    assert!(
+        metrics.contains(r#"name="bin",phase="Done"}"#)
+            && metrics.contains(r#"name="bin",of="replayed"} 200"#),
+        "{metrics}"
+    );
     assert!(http_get(b.port, "/healthz").await.contains("200 OK"));
     let s = r.status.unwrap();
     assert_eq!(

@@ -612,7 +612,12 @@ async fn set_pending(
     message: &str,
 ) -> Result<(), Error> {
     let mut status = obj.status.clone().unwrap_or_default();
-    if status.phase == Some(phase) && status.message.as_deref() == Some(message) {
+    // Written again for a new generation (`spec.suspend` changed), so observedGeneration
+    // follows the spec (kstatus and Argo CD read a status older than the spec as in progress).
+    if status.phase == Some(phase)
+        && status.message.as_deref() == Some(message)
+        && status.observed_generation == obj.meta().generation
+    {
         return Ok(());
     }
     status.phase = Some(phase);
