@@ -8,7 +8,8 @@
 //!   `promtool` is on PATH (else SKIPPED, said on stderr).
 //! - `kubectl kustomize` renders the component alone and added to `deploy/` (SKIPPED without
 //!   kubectl).
-//! - The Argo CD health check (`deploy/gitops/health.lua`), run in Lua 5.4, maps a status of
+//! - The Argo CD health check (`deploy/gitops/health.lua`), run in Lua 5.1 (Argo CD's
+//!   gopher-lua speaks 5.1), maps a status of
 //!   every phase of `api::Phase` (taken from the type, so a new phase without a mapping fails),
 //!   a missing status and a status older than the spec; the argocd-cm example holds it verbatim.
 

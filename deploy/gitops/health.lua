@@ -1,6 +1,7 @@
 -- Argo CD health check of a DlqReplay (replay.dlq.dev/v1alpha1): the value of the argocd-cm key
 -- resource.customizations.health.replay.dlq.dev_DlqReplay (see argocd-cm-patch.yaml).
--- Tested by tests/ops_kit.rs against a status of every phase.
+-- Plain Lua 5.1 (Argo CD runs gopher-lua); tested by tests/ops_kit.rs, in Lua 5.1, against a
+-- status of every phase.
 --
 --   Pending, Canary, Draining   -> Progressing
 --   Done                        -> Healthy
@@ -38,8 +39,10 @@ if status.message ~= nil and status.message ~= "" then
 end
 local c = status.counts
 if c ~= nil then
-  message = message .. string.format(" (replayed %d, duplicates %d, quarantined %d, failed %d)",
-    c.replayed or 0, c.duplicates or 0, c.quarantined or 0, c.failed or 0)
+  message = message .. " (replayed " .. tostring(c.replayed or 0)
+    .. ", duplicates " .. tostring(c.duplicates or 0)
+    .. ", quarantined " .. tostring(c.quarantined or 0)
+    .. ", failed " .. tostring(c.failed or 0) .. ")"
 end
 hs.status = health[phase]
 if hs.status == nil then
