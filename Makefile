@@ -1,4 +1,4 @@
-# The two commands: `make demo` (a real replay of real dead letters) and `make test`.
+# The two commands: `make demo` (a real replay of real dead letters, and its report) and `make test`.
 export AMQP_URL ?= amqp://guest:guest@127.0.0.1:5672/%2f
 export REDIS_URL ?= redis://127.0.0.1:6379/
 CARGO ?= cargo
@@ -10,6 +10,9 @@ demo: services
 	./target/release/dlq-replay demo -f examples/replay.yaml
 	@echo "--- plan of what is left in demo.dlq (a dry run: changes nothing)"
 	./target/release/dlq-replay plan -f examples/replay.yaml
+	@echo "--- the replay's incident report (dlq-replay report; --format md for Markdown)"
+	./target/release/dlq-replay report -f examples/replay.yaml -o demo-report.html
+	@echo "open $(CURDIR)/demo-report.html"
 
 test: services
 	$(CARGO) test --all-targets -- --test-threads 4

@@ -103,7 +103,12 @@ fn num(v: f64) -> String {
     if (v - v.round()).abs() < 1e-9 {
         format!("{}", v.round() as i64)
     } else {
-        format!("{v:.1}")
+        let s = if v.abs() < 10.0 {
+            format!("{v:.2}")
+        } else {
+            format!("{v:.1}")
+        };
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
     }
 }
 

@@ -41,6 +41,7 @@ code,.mono{font-family:"DejaVu Sans Mono",ui-monospace,SFMono-Regular,Menlo,Cons
 .card.ok b{color:var(--ok)}.card.bad b{color:var(--bad)}.card.warn b{color:var(--warn)}
 table{border-collapse:collapse;width:100%;font-size:14px}
 th{font-size:13px}
+tfoot th{white-space:normal}
 th,td{text-align:left;padding:6px 10px;border-bottom:1px solid var(--line);vertical-align:top}
 th{background:var(--bg);font-weight:600;white-space:nowrap}
 td.n,th.n{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
@@ -267,7 +268,7 @@ fn canaries(s: &mut String, r: &Report) {
         s.push_str("<p class=\"muted\">No canary was sent.</p></section>\n");
         return;
     }
-    s.push_str("<div class=\"scroll\"><table id=\"canaries\"><thead><tr><th>Signature</th><th>Message id</th><th>Sent</th><th>Watched until</th><th>Result</th><th>Why</th></tr></thead><tbody>");
+    s.push_str("<div class=\"scroll\"><table id=\"canaries\"><thead><tr><th>Signature</th><th>Message id</th><th>Sent</th><th>Wait until</th><th>Result</th><th>Why</th></tr></thead><tbody>");
     for c in &r.canaries {
         let _ = write!(
             s,

@@ -146,7 +146,7 @@ pub fn render(r: &Report) -> String {
     if r.canaries.is_empty() {
         s.push_str("No canary was sent.\n\n");
     } else {
-        s.push_str("| Signature | Message id | Sent | Watched until | Result | Why |\n|---|---|---|---|---|---|\n");
+        s.push_str("| Signature | Message id | Sent | Wait until | Result | Why |\n|---|---|---|---|---|---|\n");
         for k in &r.canaries {
             let _ = writeln!(
                 s,

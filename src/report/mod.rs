@@ -391,6 +391,15 @@ fn timeline(r: &Report, status: &DlqReplayStatus, rows: &[AuditRow]) -> Vec<Even
             .unwrap_or_default(),
         "start",
     ));
+    let drain: Vec<DateTime<Utc>> = rows
+        .iter()
+        .filter(|row| !row.canary)
+        .filter_map(|row| time(&row.time))
+        .collect();
+    let drain_first = drain.iter().min().copied();
+    // Every verdict is in before the drain starts (or the replay ends): a verdict that came
+    // before the wait's end (confirmed, came back) is shown by then.
+    let decided_by = drain_first.or(r.finished);
     for c in &r.canaries {
         events.push(ev(
             c.sent_at,
@@ -399,24 +408,23 @@ fn timeline(r: &Report, status: &DlqReplayStatus, rows: &[AuditRow]) -> Vec<Even
             "canary-out",
         ));
         let (what, detail) = match c.result.as_str() {
-            "Passed" => ("not back: passed", "watched until here".to_string()),
-            "Confirmed" => ("confirmed done by the worker", String::new()),
+            "Passed" => ("not back: passed", "the wait ended".to_string()),
+            "Confirmed" => ("confirmed: the worker marked its key done", String::new()),
             "DiedAgain" => ("came back: held back", c.reason.clone()),
             "Unconfirmed" => ("not confirmed done: held back", c.reason.clone()),
             _ => ("still watched", String::new()),
         };
+        let at = match (c.wait_until, decided_by) {
+            (Some(w), Some(d)) => Some(w.min(d)),
+            (w, d) => w.or(d),
+        };
         events.push(ev(
-            c.wait_until,
+            at,
             format!("Canary {}: {what}", c.signature),
             detail,
             if c.ok { "canary-ok" } else { "canary-bad" },
         ));
     }
-    let drain: Vec<DateTime<Utc>> = rows
-        .iter()
-        .filter(|row| !row.canary)
-        .filter_map(|row| time(&row.time))
-        .collect();
     if let (Some(first), Some(last)) = (drain.iter().min(), drain.iter().max()) {
         events.push(ev(
             Some(*first),
