@@ -30,7 +30,7 @@ lint:
 
 # Throughput vs RabbitMQ's Shovel, rate accuracy and memory growth of the release binary
 # (BENCH_N=50000 messages per run, BENCH_REPS=3, BENCH_MEM=0 skips the 100k memory run,
-# BENCH_RUN_ARGS adds arguments to `dlq-replay run`, e.g. "--batch 1024"). Throughput runs per
+# BENCH_RUN_ARGS adds arguments to `dlq-replay run`, e.g. "--window 128"). Throughput runs per
 # queue type and broker, each against its own Shovel: BENCH_QUEUES=classic,quorum (the default)
 # on RabbitMQ 3.10; BENCH_BROKERS=3.10,4 (default: 3.10, plus the quorum rows on RabbitMQ 4 at
 # AMQP4_URL, default 127.0.0.1:5673, when `.ci/rabbitmq4` has it up). Output: bench/RESULTS.md.

@@ -4,7 +4,7 @@
 //! Environment: `BENCH_N` (messages per throughput run, default 50,000), `BENCH_REPS` (runs of
 //! each of shovel / Check / Claim, alternating, default 3, at least 3), `BENCH_MEM=0` (skip the
 //! 100,000-message memory run), `BENCH_RUN_ARGS` (extra `dlq-replay run` arguments, e.g.
-//! `--batch 1024`), `DLQ_REPLAY_BIN` (default `target/release/dlq-replay`). `AMQP_URL`
+//! `--window 128`), `DLQ_REPLAY_BIN` (default `target/release/dlq-replay`). `AMQP_URL`
 //! and `REDIS_URL` as for the binary. An example rather than a `[[bench]]` so that it shares the
 //! release profile's artifacts: `cargo run --release --example bench` builds nothing twice.
 //!
@@ -186,7 +186,7 @@ struct Bench {
     choice: BrokerChoice,
     redis: ConnectionManager,
     time_rss: bool,
-    /// Extra arguments of `dlq-replay run`, from BENCH_RUN_ARGS (e.g. `--batch 1024`).
+    /// Extra arguments of `dlq-replay run`, from BENCH_RUN_ARGS (e.g. `--window 128`).
     run_args: Vec<String>,
     redis_pid: Option<u32>,
     clk_tck: f64,

@@ -132,9 +132,11 @@ pub struct RunArgs {
     /// Output format of the final resource.
     #[arg(short = 'o', long, value_enum, default_value_t)]
     pub output: Output,
-    /// Messages decided together (the in-flight window).
-    #[arg(long, default_value_t = 256)]
-    pub batch: usize,
+    /// The in-flight window: messages claimed or published and not yet recorded, at most; the
+    /// most a crash (kill -9) can leave unknown. The drain works in steps of half of it; a larger
+    /// window drains faster where the broker confirms slowly.
+    #[arg(long, default_value_t = crate::engine::DEFAULT_WINDOW)]
+    pub window: usize,
     /// Do not draw the progress bar.
     #[arg(long)]
     pub no_progress: bool,
@@ -380,7 +382,7 @@ async fn run(args: RunArgs) -> Result<ExitCode, Error> {
     let mut resource = manifest::load(&args.file)?;
     let replay = resolve(&resource, &args.endpoints)?;
     let opts = Options {
-        batch: args.batch.max(1),
+        window: args.window.max(1),
         pending_timeout: Some(Duration::from_secs(args.pending_timeout)),
         reconnect: Duration::from_secs(args.reconnect_timeout),
         ..Options::default()

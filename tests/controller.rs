@@ -1091,10 +1091,12 @@ async fn sigterm_mid_drain(c: &Cluster, n: u64, rate: &str, progress: u64) {
     let r = wait_for(&api, "term", "Done", |r| phase(r) == Some(Phase::Done)).await;
     let metrics = http_get(b.port, "/metrics").await;
     assert!(metrics.contains("dlq_replay_leader 1"), "{metrics}");
-    // The per-replay series the alerts and the dashboard read (deploy/monitoring).
+    // The per-replay series the alerts and the dashboard read (deploy/monitoring), from the
+    // replica that finished it.
+    let replayed = r.status.as_ref().map_or(0, |s| s.counts.replayed);
     assert!(
-        metrics.contains(r#"name="bin",phase="Done"}"#)
-            && metrics.contains(r#"name="bin",of="replayed"} 200"#),
+        metrics.contains(r#"name="term",phase="Done"}"#)
+            && metrics.contains(&format!(r#"name="term",of="replayed"}} {replayed}"#)),
         "{metrics}"
     );
     assert!(http_get(b.port, "/healthz").await.contains("200 OK"));

@@ -5,6 +5,7 @@
 
 pub mod canary;
 pub mod classify;
+mod drain;
 pub mod keep;
 pub mod key;
 pub mod message;
@@ -19,17 +20,16 @@ use std::num::NonZeroU32;
 use std::time::Duration;
 
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
-use lapin::message::Delivery;
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 use tokio_util::sync::CancellationToken;
 
-use crate::api::{AuditRef, Counts, DlqReplaySpec, DlqReplayStatus, IdempotencyMode, Phase};
+use crate::api::{AuditRef, Counts, DlqReplaySpec, DlqReplayStatus, Phase};
 use crate::Error;
-use classify::{Destination, Rules, SkipReason, Verdict};
+use drain::{Drain, End};
 use source::Source;
-use store::{AuditRow, Store};
+use store::Store;
 
 /// A replay ready to run: its spec and the URLs its secrets resolved to.
 #[derive(Clone, Debug)]
@@ -68,9 +68,11 @@ impl Replay {
 /// Knobs that are not part of the spec.
 #[derive(Clone, Debug)]
 pub struct Options {
-    /// Messages decided together: the in-flight window, and so the most a crash can leave
-    /// unknown.
-    pub batch: usize,
+    /// The in-flight window: messages claimed or published and not yet recorded, at most. It is
+    /// the most a crash can leave unknown (Claim mode: quarantined `OutcomeUnknown` by the next
+    /// run; Check mode: published again). The drain works in steps of half of it, so the broker
+    /// has publishes to confirm while the previous step is recorded.
+    pub window: usize,
     /// How long to wait for a delivery before looking at the queue again.
     pub idle: Duration,
     /// How long the queue may hold messages without delivering any before the replay gives up.
@@ -92,7 +94,7 @@ pub struct Options {
 impl Default for Options {
     fn default() -> Self {
         Self {
-            batch: 256,
+            window: DEFAULT_WINDOW,
             idle: Duration::from_millis(500),
             stall: Duration::from_secs(30),
             pending_timeout: None,
@@ -103,6 +105,11 @@ impl Default for Options {
         }
     }
 }
+
+/// The default in-flight window ([`Options::window`]): a kill -9 leaves at most 32 messages
+/// unknown. A larger window drains faster where the broker's confirms are slow (the drain's
+/// speed is about window / confirm latency; see bench/RESULTS.md).
+pub const DEFAULT_WINDOW: usize = 32;
 
 /// Where the engine publishes its status as it goes.
 pub type Progress = tokio::sync::watch::Sender<DlqReplayStatus>;
@@ -357,10 +364,10 @@ async fn replay_pass(
     status.message = Some(format!("replaying, {depth} messages in the queue"));
     progress.send_replace(status.clone());
 
-    let batch = batch_size(&replay.spec, opts.batch);
-    let window = (batch * 2).min(u16::MAX as usize) as u16;
+    let window = opts.window.max(1);
+    let step = step_size(&replay.spec, window);
     let queue = &replay.spec.source.queue;
-    let src = Source::open(src_conn, queue, window, depth.into()).await?;
+    let src = Source::open(src_conn, queue, prefetch(window), depth.into()).await?;
     let mover = keep::Mover::open(publisher.connection(), publisher.user(), queue).await?;
     let ledger = keep::Ledger::open(store.redis(), &replay.amqp_url, queue).await?;
     let mut drain = Drain::new(
@@ -371,7 +378,7 @@ async fn replay_pass(
         store,
         status,
         depth.into(),
-        batch,
+        (window, step),
     );
     drain.keeper = Some((mover, ledger));
     drain.held_back = held;
@@ -614,13 +621,23 @@ fn initial_status(state: &store::State, audit_key: String) -> DlqReplayStatus {
     }
 }
 
-/// With a rate limit, a batch holds about a tenth of a second of messages: claims are taken per
-/// batch, so this bounds what a crash can leave unknown, and the status follows the rate.
-fn batch_size(spec: &DlqReplaySpec, max: usize) -> usize {
+/// Deliveries per step: half the window, so two steps are in flight (one landing while the
+/// other's publishes are confirmed; measured faster than four smaller steps at the same window). With a rate limit,
+/// at most about a tenth of a second of messages, so the status follows the rate.
+fn step_size(spec: &DlqReplaySpec, window: usize) -> usize {
+    let step = (window / 2).max(1);
     match &spec.rate {
-        Some(r) => ((r.messages_per_second / 10) as usize).clamp(1, max.max(1)),
-        None => max.max(1),
+        Some(r) => ((r.messages_per_second / 10) as usize).clamp(1, step),
+        None => step,
     }
+}
+
+/// The consumer's prefetch: deliveries wait in the client ahead of the window (at no risk: not
+/// decided, they go back untouched on a crash), so a step never waits for the broker. The
+/// pass's last `prefetch` messages come by basic.get (see [`source::Source::open`]), which
+/// bounds it.
+fn prefetch(window: usize) -> u16 {
+    (window * 8).clamp(64, 1024) as u16
 }
 
 fn limiter(spec: &DlqReplaySpec) -> Option<DefaultDirectRateLimiter> {
@@ -634,824 +651,6 @@ fn limiter(spec: &DlqReplaySpec) -> Option<DefaultDirectRateLimiter> {
     ))
 }
 
-/// What happens to one message.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Act {
-    Skip {
-        reason: String,
-        returned: bool,
-    },
-    Quarantine(String),
-    Replay(Destination),
-    Duplicate {
-        reason: String,
-        same_attempt: bool,
-    },
-    AlreadySettled,
-    /// A second copy of a message this pass already met, left by an interrupted move (the
-    /// ledger counts it): dropped, with an audit row.
-    Leftover,
-    Replayed(Destination),
-    Quarantined(String),
-    Failed(String),
-    /// Published, but the connection went away before the broker's confirm: maybe delivered,
-    /// maybe not. Nothing is recorded and nothing acked; the next pass finds its claim (Claim
-    /// mode: quarantined `OutcomeUnknown`) or publishes it again (Check mode).
-    Unknown(String),
-    /// Not published because the replay was stopped while the batch waited for the rate
-    /// limiter: nothing recorded, its claim released, left unacked (back in the queue when the
-    /// pass closes its channel), decided by the next run.
-    Unsent,
-}
-
-struct Item {
-    delivery: Delivery,
-    /// The move ledger's digest, computed when needed (a kept or a leftover message).
-    digest: Option<String>,
-    /// Whether a kept message's copy is at the tail.
-    moved: Option<keep::Moved>,
-    /// What audit rows call the message (message id or body hash).
-    identity: String,
-    /// What the settled marks call it: a hash of message id and body.
-    fingerprint: String,
-    key: Option<String>,
-    act: Act,
-}
-
-enum End {
-    Drained,
-    TooManyReturns(u64, String),
-    Cancelled,
-    Error(Error),
-}
-
-struct Drain<'a> {
-    replay: &'a Replay,
-    replay_id: String,
-    claim_value: String,
-    source: Option<Source>,
-    publisher: publish::Publisher,
-    store: Store,
-    limiter: Option<DefaultDirectRateLimiter>,
-    status: DlqReplayStatus,
-    bound: u64,
-    seen: u64,
-    selected: u64,
-    batch: usize,
-    /// Signatures whose canary did not pass: their messages stay in the queue.
-    held_back: std::collections::HashSet<String>,
-    /// Messages of this replay that came back (by fingerprint) behind the pass's bound.
-    returns_behind: std::collections::HashSet<String>,
-    last_return_check: Option<tokio::time::Instant>,
-    /// Moves kept messages to the tail, and the ledger of copies a crash may have doubled.
-    keeper: Option<(keep::Mover, keep::Ledger)>,
-    /// The dead-letter routes seen (and known before), for the return watch.
-    routes: std::collections::BTreeSet<watch::Route>,
-    /// The return watch, when a route is known.
-    returns: Option<watch::Returns>,
-    /// Digests of the messages this pass moved, but for the latest batch's: their ledger counts
-    /// come back when the pass has taken its last message (see `finish`).
-    moved: Vec<String>,
-    /// The latest batch's, whose acks nothing after them waits for.
-    last_moved: Vec<String>,
-    /// The replay's stop, for the waits inside a batch (the rate limiter).
-    cancel: CancellationToken,
-}
-
-impl<'a> Drain<'a> {
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        replay: &'a Replay,
-        state: &store::State,
-        source: Source,
-        publisher: publish::Publisher,
-        store: Store,
-        status: DlqReplayStatus,
-        bound: u64,
-        batch: usize,
-    ) -> Self {
-        Self {
-            replay,
-            replay_id: state.replay_id.clone(),
-            claim_value: format!("{}/{}", state.replay_id, state.attempt),
-            source: Some(source),
-            publisher,
-            store,
-            limiter: limiter(&replay.spec),
-            // A resumed replay's earlier selections count against the limit.
-            selected: state.counts.scanned - state.counts.skipped,
-            status,
-            bound,
-            seen: 0,
-            batch,
-            held_back: Default::default(),
-            returns_behind: Default::default(),
-            last_return_check: None,
-            keeper: None,
-            routes: Default::default(),
-            returns: None,
-            moved: Vec::new(),
-            last_moved: Vec::new(),
-            cancel: CancellationToken::new(),
-        }
-    }
-
-    async fn run(
-        &mut self,
-        opts: &Options,
-        progress: &Progress,
-        cancel: &CancellationToken,
-    ) -> End {
-        let mut stalled = Duration::ZERO;
-        loop {
-            if self.seen >= self.bound {
-                return End::Drained;
-            }
-            if cancel.is_cancelled() {
-                return End::Cancelled;
-            }
-            let want = self.batch.min((self.bound - self.seen) as usize);
-            let Some(src) = self.source.as_mut() else {
-                return End::Drained;
-            };
-            let deliveries = match src.next_batch(want, opts.idle).await {
-                Ok(d) => d,
-                Err(e) => return End::Error(e),
-            };
-            if deliveries.is_empty() {
-                match self.queue_is_empty().await {
-                    Ok(true) => return End::Drained,
-                    Ok(false) if stalled >= opts.stall => {
-                        return End::Error(Error::Broker(format!(
-                            "the dead-letter queue holds messages but delivered none for {}s (another consumer, or a consumer timeout?)",
-                            opts.stall.as_secs()
-                        )))
-                    }
-                    Ok(false) => stalled += opts.idle,
-                    Err(e) => return End::Error(e),
-                }
-                continue;
-            }
-            stalled = Duration::ZERO;
-            if let Err(e) = self.step(deliveries).await {
-                return End::Error(e);
-            }
-            match self.check_returns(opts).await {
-                Ok(Some(end)) => return end,
-                Ok(None) => {}
-                Err(e) => return End::Error(e),
-            }
-            self.report(progress);
-        }
-    }
-
-    /// While draining, watch for replayed messages that die again. They land behind the pass's
-    /// bound, so the consumer never sees them: the watch queue on the dead-letter routes gets a
-    /// copy of each new dead letter, and this replay's are counted. Above
-    /// `canary.maxReturnRatio` of the replayed, stop. Without a known route there is nothing to
-    /// watch while draining (a traversal would compete with the drain's own consumer).
-    async fn check_returns(&mut self, opts: &Options) -> Result<Option<End>, Error> {
-        let spec = &self.replay.spec;
-        let Some(watch) = self.returns.as_ref().filter(|_| spec.canary.enabled) else {
-            return Ok(None);
-        };
-        let due = self
-            .last_return_check
-            .is_none_or(|t| t.elapsed() >= opts.return_check);
-        if !due {
-            return Ok(None);
-        }
-        self.last_return_check = Some(tokio::time::Instant::now());
-        let found = watch
-            .poll(&self.replay_id, &spec.canary.signature_header)
-            .await?;
-        let before = self.returns_behind.len();
-        let mut last_reason = String::new();
-        for r in found {
-            if self.returns_behind.insert(r.fingerprint) {
-                last_reason = r.reason;
-            }
-        }
-        let new = (self.returns_behind.len() - before) as u64;
-        self.status.counts.returned += new;
-        let replayed = self.status.counts.replayed.max(1);
-        let ratio = self.status.counts.returned as f64 / replayed as f64;
-        if new > 0 && ratio > spec.canary.max_return_ratio {
-            return Ok(Some(End::TooManyReturns(
-                self.status.counts.returned,
-                last_reason,
-            )));
-        }
-        Ok(None)
-    }
-
-    /// Whether both of the pass's broker connections are still up (an error on a channel can be
-    /// the echo of a connection that went away).
-    fn connected(&self, src_conn: &Connection) -> bool {
-        src_conn.status().connected() && self.publisher.connection().status().connected()
-    }
-
-    fn is_held_back(&self, props: &lapin::BasicProperties) -> bool {
-        !self.held_back.is_empty()
-            && self.held_back.contains(&classify::signature(
-                &self.replay.spec.canary.signature_header,
-                props,
-            ))
-    }
-
-    fn limit_reached(&self) -> bool {
-        self.replay
-            .spec
-            .selector
-            .limit
-            .is_some_and(|l| self.selected >= l)
-    }
-
-    async fn queue_is_empty(&self) -> Result<bool, Error> {
-        let conn = self.publisher.connection();
-        Ok(source::queue_state(conn, &self.replay.spec.source.queue)
-            .await?
-            .is_none_or(|s| s.0 == 0))
-    }
-
-    /// Decide, settle and acknowledge one batch.
-    async fn step(&mut self, deliveries: Vec<Delivery>) -> Result<(), Error> {
-        let mut items = self.classify(deliveries);
-        self.gate(&mut items).await?;
-        self.publish(&mut items).await?;
-        self.keep(&mut items).await?;
-        self.settle(items).await
-    }
-
-    /// Leave what the batch does not take (skipped, held back, failed) in the queue: moved to
-    /// the tail, behind the pass's bound (see [`keep`]).
-    async fn keep(&mut self, items: &mut [Item]) -> Result<(), Error> {
-        // A batch with an unconfirmed publish ends the pass: its messages go back to the queue
-        // when the channel closes, and the next pass decides them again.
-        if items.iter().any(|it| matches!(it.act, Act::Unknown(_))) {
-            return Ok(());
-        }
-        let Some((mover, ledger)) = self.keeper.as_mut() else {
-            return Ok(());
-        };
-        let idx: Vec<usize> = (0..items.len())
-            .filter(|&i| matches!(items[i].act, Act::Skip { .. } | Act::Failed(_)))
-            .collect();
-        if idx.is_empty() {
-            return Ok(());
-        }
-        let digests: Vec<String> = idx
-            .iter()
-            .map(|&i| {
-                let it = &mut items[i];
-                it.digest
-                    .get_or_insert_with(|| keep::digest(&it.delivery.properties, &it.delivery.data))
-                    .clone()
-            })
-            .collect();
-        ledger.intend(&digests).await?;
-        let msgs: Vec<_> = idx
-            .iter()
-            .map(|&i| {
-                (
-                    &items[i].delivery.properties,
-                    items[i].delivery.data.as_slice(),
-                )
-            })
-            .collect();
-        let moved = mover.copy(&msgs).await?;
-        for (&i, m) in idx.iter().zip(moved) {
-            items[i].moved = Some(m);
-        }
-        Ok(())
-    }
-
-    fn classify(&mut self, deliveries: Vec<Delivery>) -> Vec<Item> {
-        let rules = Rules::of(&self.replay.spec, &self.replay_id);
-        let mut items = Vec::with_capacity(deliveries.len());
-        for delivery in deliveries {
-            if self.seen >= self.bound {
-                // Prefetched beyond the bound: not ours; it goes back untouched when the channel
-                // closes.
-                break;
-            }
-            self.seen += 1;
-            watch::note_route(&mut self.routes, &delivery);
-            let props = &delivery.properties;
-            let identity = message::identity(props, &delivery.data);
-            let fingerprint = message::fingerprint(props, &delivery.data);
-            let met = self
-                .keeper
-                .as_mut()
-                .and_then(|(_, ledger)| ledger.meet(props, &delivery.data));
-            if let Some((d, true)) = met {
-                items.push(Item {
-                    delivery,
-                    identity,
-                    fingerprint,
-                    digest: Some(d),
-                    moved: None,
-                    key: None,
-                    act: Act::Leftover,
-                });
-                continue;
-            }
-            let digest = met.map(|(d, _)| d);
-            let verdict = if self.limit_reached() {
-                Verdict::Skip(SkipReason::NotSelected("selector.limit reached".into()))
-            } else {
-                classify::classify(&rules, props, &delivery.data)
-            };
-            let (act, key) = match verdict {
-                Verdict::Skip(SkipReason::Returned) => (
-                    Act::Skip {
-                        reason: "returned: died again after this replay".into(),
-                        returned: true,
-                    },
-                    None,
-                ),
-                Verdict::Skip(SkipReason::NotSelected(r)) => (
-                    Act::Skip {
-                        reason: r,
-                        returned: false,
-                    },
-                    None,
-                ),
-                Verdict::Poison(r) => (Act::Quarantine(r), None),
-                Verdict::Replay { .. } if self.is_held_back(props) => (
-                    Act::Skip {
-                        reason: "held back: the canary of its signature did not pass".into(),
-                        returned: false,
-                    },
-                    None,
-                ),
-                Verdict::Replay { key, destination } => (Act::Replay(destination), key),
-            };
-            if !matches!(act, Act::Skip { .. }) {
-                self.selected += 1;
-            }
-            items.push(Item {
-                delivery,
-                identity,
-                fingerprint,
-                digest,
-                moved: None,
-                key,
-                act,
-            });
-        }
-        items
-    }
-
-    /// The idempotency gate and the resume check, in one Redis round trip for the batch.
-    async fn gate(&mut self, items: &mut [Item]) -> Result<(), Error> {
-        let asks: Vec<usize> = (0..items.len())
-            .filter(|&i| matches!(items[i].act, Act::Replay(_) | Act::Quarantine(_)))
-            .collect();
-        if asks.is_empty() {
-            return Ok(());
-        }
-        let key_fields: Vec<Option<String>> = asks
-            .iter()
-            .map(|&i| items[i].key.as_ref().map(|k| format!("key:{k}")))
-            .collect();
-        let fields: Vec<(&str, Option<&str>)> = asks
-            .iter()
-            .zip(&key_fields)
-            .map(|(&i, k)| (items[i].fingerprint.as_str(), k.as_deref()))
-            .collect();
-        let keys: Vec<Option<&str>> = asks
-            .iter()
-            .map(|&i| match items[i].act {
-                Act::Replay(_) => items[i].key.as_deref(),
-                _ => None,
-            })
-            .collect();
-        let idem = self.replay.spec.idempotency.as_ref();
-        let claim = idem
-            .filter(|i| i.mode == IdempotencyMode::Claim)
-            .map(|i| (self.claim_value.as_str(), i.ttl_seconds));
-        let lookups = self.store.lookup(&fields, &keys, claim).await?;
-        let done = idem.map(|i| i.done_value.as_str()).unwrap_or("");
-        let prefix = format!("{}/", self.replay_id);
-        for (&i, l) in asks.iter().zip(lookups) {
-            let item = &mut items[i];
-            if item.delivery.redelivered && l.settled.is_some() {
-                // Settled by an earlier run whose ack was lost: its audit row exists already.
-                item.act = Act::AlreadySettled;
-                continue;
-            }
-            if !matches!(item.act, Act::Replay(_)) || item.key.is_none() {
-                continue;
-            }
-            item.act = match (claim, l.value.as_deref()) {
-                (_, Some(v)) if v == done => Act::Duplicate { reason: "key is done".into(), same_attempt: false },
-                (None, _) => continue,
-                (Some(_), _) if l.claimed => continue,
-                (Some((mine, _)), Some(v)) if v == mine => Act::Duplicate {
-                    reason: "key already replayed by this replay".into(),
-                    same_attempt: true,
-                },
-                (Some(_), Some(v)) if v.starts_with(&prefix) => match l.key_replayed {
-                    Some(_) => Act::Duplicate { reason: "key already replayed by this replay".into(), same_attempt: false },
-                    // Claimed by an earlier run of this replay that crashed before recording
-                    // the outcome: it may or may not have been published. Never twice.
-                    None => Act::Quarantine(
-                        "OutcomeUnknown: claimed by an earlier run of this replay that stopped before recording the publish".into(),
-                    ),
-                },
-                (Some(_), Some(v)) => match store::Held::of(Some(v), done) {
-                    // Another replay claimed it and never recorded a confirmed publish: its work
-                    // may never have gone out, so it is not dropped as a duplicate.
-                    held @ store::Held::Unconfirmed(_) => Act::Quarantine(format!(
-                        "OutcomeUnknown: claimed by replay {} without a confirmed publish",
-                        held.replay().unwrap_or_default()
-                    )),
-                    _ => Act::Duplicate { reason: format!("key is claimed ({v})"), same_attempt: false },
-                },
-                // The claim was refused but the key vanished in between (expired): leave it.
-                (Some(_), None) => Act::Failed("claim refused, then the key vanished; left in the queue".into()),
-            };
-        }
-        Ok(())
-    }
-
-    /// Publish quarantines and replays, then wait for every confirm of the batch.
-    async fn publish(&mut self, items: &mut [Item]) -> Result<(), Error> {
-        self.publisher.ensure_open().await?;
-        let quarantine = Destination {
-            exchange: String::new(),
-            routing_key: self.replay.spec.quarantine.queue.clone(),
-        };
-        let user = self.publisher.user().to_string();
-        let mut pending = Vec::new();
-        for (i, item) in items.iter_mut().enumerate() {
-            let props = &item.delivery.properties;
-            let (dest, props) = match &item.act {
-                Act::Quarantine(reason) => (
-                    quarantine.clone(),
-                    publish::quarantine_properties(props, &self.replay_id, reason, &user),
-                ),
-                Act::Replay(dest) => {
-                    if !self.publisher.exchange_exists(&dest.exchange).await? {
-                        item.act = Act::Failed(format!(
-                            "NoExchange: exchange {:?} does not exist",
-                            dest.exchange
-                        ));
-                        continue;
-                    }
-                    if let Some(l) = &self.limiter {
-                        // At a low rate a batch waits seconds for its tokens: a stop ends the
-                        // wait, and what the batch has not sent yet stays for the next run.
-                        let stopped = tokio::select! {
-                            biased;
-                            _ = self.cancel.cancelled() => true,
-                            _ = l.until_ready() => false,
-                        };
-                        if stopped {
-                            item.act = Act::Unsent;
-                            continue;
-                        }
-                    }
-                    let p = publish::replay_properties(
-                        props,
-                        &self.replay_id,
-                        item.key.as_deref(),
-                        &user,
-                    );
-                    (dest.clone(), p)
-                }
-                _ => continue,
-            };
-            match self.publisher.send(&dest, props, &item.delivery.data).await {
-                Ok(confirm) => pending.push((i, confirm)),
-                // Refused before it left (e.g. the channel is closed): it was not sent.
-                Err(e) => item.act = Act::Failed(format!("NotSent: {e}")),
-            }
-        }
-        let (idx, confirms): (Vec<usize>, Vec<_>) = pending.into_iter().unzip();
-        let metrics = crate::metrics::Metrics::global();
-        let sent = std::time::Instant::now();
-        let timed = confirms.into_iter().map(|c| {
-            let latency = &metrics.publish_latency;
-            async move {
-                let res = c.await;
-                latency.observe(sent.elapsed().as_secs_f64());
-                res
-            }
-        });
-        let results = futures::future::join_all(timed).await;
-        // A confirm that never came (the channel or the connection closed first) leaves the
-        // outcome unknown, even when the broker closed the channel because of a later publish
-        // (e.g. to an exchange deleted mid-drain): an earlier one may have been routed and
-        // persisted with its confirm still on the way.
-        for (i, res) in idx.into_iter().zip(results) {
-            let item = &mut items[i];
-            let unconfirmed = res.is_err();
-            item.act = match (publish::outcome(res), &item.act) {
-                (Ok(()), Act::Replay(d)) => Act::Replayed(d.clone()),
-                (Ok(()), Act::Quarantine(r)) => Act::Quarantined(r.clone()),
-                (Err(why), _) if unconfirmed => Act::Unknown(why),
-                (Err(why), _) => Act::Failed(why),
-                (Ok(()), other) => other.clone(),
-            };
-        }
-        // A publish to a deleted exchange closes the channel: what the batch had not sent yet
-        // was refused for the same reason, and says so.
-        let closed_on = items.iter().find_map(|it| match &it.act {
-            Act::Unknown(r) if r.starts_with("NoExchange") => Some(r.clone()),
-            _ => None,
-        });
-        if let Some(cause) = closed_on {
-            for it in items.iter_mut() {
-                if matches!(&it.act, Act::Failed(r) if r.starts_with("NotSent")) {
-                    it.act = Act::Failed(format!("{cause}; not sent after it"));
-                }
-            }
-        }
-        // A message whose key was claimed earlier in this batch by one that failed is not a
-        // duplicate after all: its work never went out (or may not have). It stays in the queue.
-        let failed: std::collections::HashSet<&str> = items
-            .iter()
-            .filter(|it| matches!(it.act, Act::Failed(_) | Act::Unknown(_) | Act::Unsent))
-            .filter_map(|it| it.key.as_deref())
-            .collect();
-        // (Its twin of a message left unsent stays unsent too: the next run decides both.)
-        let unsent: std::collections::HashSet<String> = items
-            .iter()
-            .filter(|it| matches!(it.act, Act::Unsent))
-            .filter_map(|it| it.key.clone())
-            .collect();
-        let orphans: Vec<usize> = (0..items.len())
-            .filter(|&i| {
-                matches!(
-                    items[i].act,
-                    Act::Duplicate {
-                        same_attempt: true,
-                        ..
-                    }
-                ) && items[i].key.as_deref().is_some_and(|k| failed.contains(k))
-            })
-            .collect();
-        for i in orphans {
-            items[i].act = if items[i].key.as_ref().is_some_and(|k| unsent.contains(k)) {
-                Act::Unsent
-            } else {
-                Act::Failed("same key as a message of this batch whose publish failed".into())
-            };
-        }
-        Ok(())
-    }
-
-    /// Record the batch (audit rows, settled marks, counts) atomically, then ack what is settled
-    /// or moved, and once the broker has processed those acks, take the moves' ledger counts
-    /// back.
-    async fn settle(&mut self, items: Vec<Item>) -> Result<(), Error> {
-        let mut rows = Vec::new();
-        let mut settled = Vec::new();
-        let mut claims = Vec::new();
-        let mut delta = Counts::default();
-        let mut acks = Vec::new();
-        let mut refused = Vec::new();
-        let mut moved_digests = Vec::new();
-        let mut unknown = 0u32;
-        let mut unknown_why = String::new();
-        // Unconfirmed publishes end the pass after this batch.
-        let ending = items.iter().any(|it| matches!(it.act, Act::Unknown(_)));
-        let time = now();
-        let claiming = self
-            .replay
-            .spec
-            .idempotency
-            .as_ref()
-            .is_some_and(|i| i.mode == IdempotencyMode::Claim);
-        for item in &items {
-            // A kept message is acked once its copy is at the tail; a refused copy means no
-            // copy exists, so its ledger count comes back (the original stays unacked).
-            let moved = match item.moved {
-                Some(keep::Moved::Copied) => {
-                    acks.push(item.delivery.delivery_tag);
-                    moved_digests.extend(item.digest.clone());
-                    true
-                }
-                Some(keep::Moved::Refused) => {
-                    refused.extend(item.digest.clone());
-                    false
-                }
-                _ => false,
-            };
-            let (decision, reason, destination) = match &item.act {
-                Act::AlreadySettled => {
-                    acks.push(item.delivery.delivery_tag);
-                    continue;
-                }
-                Act::Skip { returned, .. } => {
-                    delta.scanned += 1;
-                    delta.skipped += 1;
-                    delta.returned += u64::from(*returned);
-                    continue;
-                }
-                Act::Leftover => {
-                    delta.duplicates += 1;
-                    (
-                        "duplicate",
-                        "LeftoverCopy: a second copy of a message this pass already met, left by an interrupted move".to_string(),
-                        String::new(),
-                    )
-                }
-                Act::Replayed(d) => {
-                    delta.replayed += 1;
-                    if claiming {
-                        if let Some(k) = &item.key {
-                            claims.push(self.claim_end(k, true));
-                        }
-                    }
-                    (
-                        "replayed",
-                        String::new(),
-                        format!("{}/{}", d.exchange, d.routing_key),
-                    )
-                }
-                Act::Quarantined(r) => {
-                    delta.quarantined += 1;
-                    (
-                        "quarantined",
-                        r.clone(),
-                        self.replay.spec.quarantine.queue.clone(),
-                    )
-                }
-                Act::Duplicate { reason, .. } => {
-                    delta.duplicates += 1;
-                    ("duplicate", reason.clone(), String::new())
-                }
-                Act::Failed(r) => {
-                    if claiming {
-                        if let Some(k) = &item.key {
-                            claims.push(self.claim_end(k, false));
-                        }
-                    }
-                    if ending {
-                        // It stays in the queue for the next pass, which decides (and counts)
-                        // it again: recording it here too would count it twice.
-                        continue;
-                    }
-                    delta.failed += 1;
-                    ("failed", r.clone(), String::new())
-                }
-                Act::Unknown(why) => {
-                    unknown += 1;
-                    unknown_why.clone_from(why);
-                    continue;
-                }
-                Act::Unsent => {
-                    if claiming {
-                        if let Some(k) = &item.key {
-                            claims.push(self.claim_end(k, false));
-                        }
-                    }
-                    continue;
-                }
-                // Publish resolves every Replay and Quarantine.
-                Act::Replay(_) | Act::Quarantine(_) => continue,
-            };
-            delta.scanned += 1;
-            if decision != "failed" {
-                if !matches!(item.act, Act::Leftover) {
-                    settled.push((item.fingerprint.clone(), decision.to_string()));
-                }
-                if decision == "replayed" {
-                    if let Some(k) = &item.key {
-                        settled.push((format!("key:{k}"), item.identity.clone()));
-                    }
-                }
-                if !moved {
-                    acks.push(item.delivery.delivery_tag);
-                }
-            }
-            rows.push(AuditRow {
-                id: String::new(),
-                replay: self.replay_id.clone(),
-                message: item.identity.clone(),
-                decision: decision.into(),
-                key: item.key.clone().unwrap_or_default(),
-                reason,
-                destination,
-                canary: false,
-                time: time.clone(),
-            });
-        }
-        let (records, again) = self.store.commit(&rows, &settled, &claims, &delta).await?;
-        if claiming && again > 0 {
-            // The invariant Claim mode exists for broke: say so loudly, and count it.
-            tracing::error!(replay = %self.replay_id, keys = again, "Claim mode published a key twice");
-            crate::metrics::Metrics::global()
-                .double_published
-                .inc_by(again);
-        }
-        add(&mut self.status.counts, &delta);
-        if let Some(a) = self.status.audit.as_mut() {
-            a.records = records;
-        }
-        let src = self
-            .source
-            .as_mut()
-            .ok_or_else(|| Error::Broker("source closed".into()))?;
-        acks.sort_unstable();
-        src.ack(&acks, acks.len() == items.len(), items.len())
-            .await?;
-        // The moves' ledger counts come back once the queue has applied the acks (see
-        // source::get_one): the pass takes its last message with basic.get after every other
-        // ack, which makes sure of that for every batch but the last; those are taken back when
-        // the pass closes, the last batch's stay for the next traversal to settle.
-        let earlier = std::mem::replace(&mut self.last_moved, moved_digests);
-        self.moved.extend(earlier);
-        if !refused.is_empty() {
-            if let Some((_, ledger)) = self.keeper.as_mut() {
-                ledger.take_back(&refused).await?;
-            }
-        }
-        if unknown > 0 {
-            // What was confirmed is recorded and acked; the unconfirmed wait for the next pass,
-            // which finds their claims (or publishes them again in Check mode) like a rerun.
-            let closed = if self.publisher.connection().status().connected() {
-                "the publishing channel closed"
-            } else {
-                "connection lost"
-            };
-            return Err(Error::Connection(format!(
-                "{closed} with {unknown} publishes unconfirmed ({unknown_why})"
-            )));
-        }
-        Ok(())
-    }
-
-    /// Take back the ledger counts of the messages moved before the pass's last batch (a pass
-    /// that ended early leaves them for the next traversal to settle).
-    async fn take_back_moved(&mut self) {
-        let Some((_, ledger)) = self.keeper.as_mut() else {
-            return;
-        };
-        for chunk in std::mem::take(&mut self.moved).chunks(4096) {
-            if let Err(e) = ledger.take_back(chunk).await {
-                tracing::warn!(error = %e, "taking back the move ledger's counts");
-                return;
-            }
-        }
-    }
-
-    /// The end of this attempt's claim on `key`: published, or released.
-    fn claim_end(&self, key: &str, published: bool) -> store::ClaimEnd {
-        store::ClaimEnd {
-            key: key.to_string(),
-            value: self.claim_value.clone(),
-            published,
-        }
-    }
-
-    fn report(&mut self, progress: &Progress) {
-        let left = self.bound.saturating_sub(self.seen);
-        self.status.message = Some(format!("replaying, {left} left of this pass"));
-        progress.send_replace(self.status.clone());
-    }
-
-    /// Close the pass: everything still unacked goes back to the queue in place.
-    async fn finish(&mut self, end: End) -> DlqReplayStatus {
-        if let Some(src) = self.source.take() {
-            let took_all = src.took_all();
-            if let Err(e) = src.close().await {
-                tracing::warn!(error = %e, "closing the dead-letter queue channel");
-            } else if took_all {
-                self.take_back_moved().await;
-            }
-        }
-        let mut status = self.status.clone();
-        let summary = summary(&status.counts);
-        let (phase, message) = match end {
-            // Past selector.limit the pass went on to its bound, skipping: a message that stays
-            // is moved like any skipped one, so the DLQ keeps its order.
-            End::Drained if self.limit_reached() => {
-                (Phase::Done, format!("selector.limit reached; {summary}"))
-            }
-            End::Drained => (Phase::Done, summary),
-            End::TooManyReturns(n, why) => (
-                Phase::Failed,
-                format!(
-                    "TooManyReturns: {n} replayed messages came back (last: {why}), more than canary.maxReturnRatio {} of the replayed; stopped, the rest is still in the dead-letter queue; {summary}",
-                    self.replay.spec.canary.max_return_ratio
-                ),
-            ),
-            End::Cancelled => (Phase::Suspended, format!("stopped; run it again to resume; {summary}")),
-            End::Error(e) => (Phase::Failed, format!("{e}; unsettled messages are still in the dead-letter queue; run it again to resume")),
-        };
-        status.phase = Some(phase);
-        status.message = Some(message);
-        if phase == Phase::Done {
-            status.finished_at = Some(now());
-        }
-        status
-    }
-}
-
 /// The counts as a status message says them.
 pub fn summary(c: &Counts) -> String {
     format!(
@@ -1460,7 +659,7 @@ pub fn summary(c: &Counts) -> String {
     )
 }
 
-fn add(c: &mut Counts, d: &Counts) {
+pub(crate) fn add(c: &mut Counts, d: &Counts) {
     c.scanned += d.scanned;
     c.replayed += d.replayed;
     c.duplicates += d.duplicates;

@@ -275,6 +275,12 @@ impl Source {
         Ok(())
     }
 
+    /// Whether the next delivery is the pass's last one, which comes alone once every delivery
+    /// before it is acked (see [`Source::open`]).
+    pub fn at_last(&self) -> bool {
+        self.bound.saturating_sub(self.delivered) == 1
+    }
+
     /// Whether the pass took its last message, which is taken (alone) only after the queue
     /// applied every earlier ack.
     pub fn took_all(&self) -> bool {

@@ -314,7 +314,9 @@ impl Keys {
     }
 }
 
-/// A Redis connection for one replay.
+/// A Redis connection for one replay (a clone shares the connection: its calls are pipelined
+/// with the original's, in the order they are made).
+#[derive(Clone)]
 pub struct Store {
     con: ConnectionManager,
     keys: Keys,

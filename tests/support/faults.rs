@@ -262,8 +262,8 @@ pub async fn kill_9(
         }
     };
     finish(w, "kill -9 of dlq-replay run", mode, n, killed + 1, &status, problems, |p, problems| {
-        // At most the in-flight window (one batch) per kill is left unknown.
-        let window = Options::default().batch * killed;
+        // At most the in-flight window per kill is left unknown.
+        let window = Options::default().window * killed;
         let unknown = if mode == "Claim" { p.unknown() } else { p.target.values().filter(|&&c| c > 1).count() };
         if unknown > window {
             problems.push(format!("{unknown} unknown outcomes, more than {window}"));

@@ -1,0 +1,330 @@
+//! Landing a step: kept messages moved to the tail, then the step's outcome recorded in one
+//! Redis commit, then the acks.
+
+use super::{Act, Drain, Item};
+use crate::api::{Counts, IdempotencyMode};
+use crate::engine::keep;
+use crate::engine::store::{self, AuditRow, Store};
+use crate::engine::{add, now};
+use crate::Error;
+
+/// A step's outcome as one commit writes it, and the acks that follow it.
+pub(super) struct Record {
+    rows: Vec<AuditRow>,
+    settled: Vec<(String, String)>,
+    claims: Vec<store::ClaimEnd>,
+    delta: Counts,
+    /// Delivery tags to ack, in order.
+    acks: Vec<u64>,
+    /// Whether every delivery of the step is among them (one multiple ack may cover it).
+    all_acked: bool,
+    len: usize,
+    /// Ledger counts to take back: copies refused (no copy exists).
+    refused: Vec<String>,
+    moved_digests: Vec<String>,
+    unknown: u32,
+    unknown_why: String,
+}
+
+impl Record {
+    /// Write it (see [`Store::commit`]): the audit stream's length after, and the keys marked
+    /// twice.
+    pub(super) async fn commit(&self, store: &mut Store) -> Result<(u64, u64), Error> {
+        store
+            .commit(&self.rows, &self.settled, &self.claims, &self.delta)
+            .await
+    }
+}
+
+impl Drain<'_> {
+    /// Leave what the step does not take (skipped, held back, failed) in the queue: moved to
+    /// the tail, behind the pass's bound (see [`keep`]).
+    pub(super) async fn keep(&mut self, items: &mut [Item]) -> Result<(), Error> {
+        // A step with an unconfirmed publish ends the pass: its messages go back to the queue
+        // when the channel closes, and the next pass decides them again.
+        if items.iter().any(|it| matches!(it.act, Act::Unknown(_))) {
+            return Ok(());
+        }
+        let Some((mover, ledger)) = self.keeper.as_mut() else {
+            return Ok(());
+        };
+        let idx: Vec<usize> = (0..items.len())
+            .filter(|&i| matches!(items[i].act, Act::Skip { .. } | Act::Failed(_)))
+            .collect();
+        if idx.is_empty() {
+            return Ok(());
+        }
+        let digests: Vec<String> = idx
+            .iter()
+            .map(|&i| {
+                let it = &mut items[i];
+                it.digest
+                    .get_or_insert_with(|| keep::digest(&it.delivery.properties, &it.delivery.data))
+                    .clone()
+            })
+            .collect();
+        ledger.intend(&digests).await?;
+        let msgs: Vec<_> = idx
+            .iter()
+            .map(|&i| {
+                (
+                    &items[i].delivery.properties,
+                    items[i].delivery.data.as_slice(),
+                )
+            })
+            .collect();
+        let moved = mover.copy(&msgs).await?;
+        for (&i, m) in idx.iter().zip(moved) {
+            items[i].moved = Some(m);
+        }
+        Ok(())
+    }
+
+    /// Record the step (audit rows, settled marks, counts) atomically, then ack what is settled
+    /// or moved, and once the broker has processed those acks, take the moves' ledger counts
+    /// back.
+    pub(super) async fn settle(&mut self, items: Vec<Item>) -> Result<(), Error> {
+        let record = self.record(&items);
+        let answer = record.commit(&mut self.store).await;
+        self.recorded(record, answer).await
+    }
+
+    /// What a step's landing writes and acks, from its items' outcomes.
+    pub(super) fn record(&mut self, items: &[Item]) -> Record {
+        let mut rows = Vec::new();
+        let mut settled = Vec::new();
+        let mut claims = Vec::new();
+        let mut delta = Counts::default();
+        let mut acks = Vec::new();
+        let mut refused = Vec::new();
+        let mut moved_digests = Vec::new();
+        let mut unknown = 0u32;
+        let mut unknown_why = String::new();
+        // Unconfirmed publishes end the pass after this step (and the steps in flight).
+        self.ending |= items.iter().any(|it| matches!(it.act, Act::Unknown(_)));
+        let ending = self.ending;
+        let time = now();
+        let claiming = self.claiming();
+        for item in items {
+            // A kept message is acked once its copy is at the tail; a refused copy means no
+            // copy exists, so its ledger count comes back (the original stays unacked).
+            let moved = match item.moved {
+                Some(keep::Moved::Copied) => {
+                    acks.push(item.delivery.delivery_tag);
+                    moved_digests.extend(item.digest.clone());
+                    true
+                }
+                Some(keep::Moved::Refused) => {
+                    refused.extend(item.digest.clone());
+                    false
+                }
+                _ => false,
+            };
+            let (decision, reason, destination) = match &item.act {
+                Act::AlreadySettled => {
+                    acks.push(item.delivery.delivery_tag);
+                    continue;
+                }
+                Act::Skip { returned, .. } => {
+                    delta.scanned += 1;
+                    delta.skipped += 1;
+                    delta.returned += u64::from(*returned);
+                    continue;
+                }
+                Act::Leftover => {
+                    delta.duplicates += 1;
+                    (
+                        "duplicate",
+                        "LeftoverCopy: a second copy of a message this pass already met, left by an interrupted move".to_string(),
+                        String::new(),
+                    )
+                }
+                Act::Replayed(d) => {
+                    delta.replayed += 1;
+                    if claiming {
+                        if let Some(k) = &item.key {
+                            claims.push(self.claim_end(k, true));
+                        }
+                    }
+                    (
+                        "replayed",
+                        String::new(),
+                        format!("{}/{}", d.exchange, d.routing_key),
+                    )
+                }
+                Act::Quarantined(r) => {
+                    delta.quarantined += 1;
+                    (
+                        "quarantined",
+                        r.clone(),
+                        self.replay.spec.quarantine.queue.clone(),
+                    )
+                }
+                Act::Duplicate { reason, .. } => {
+                    delta.duplicates += 1;
+                    ("duplicate", reason.clone(), String::new())
+                }
+                Act::Failed(r) => {
+                    if claiming {
+                        if let Some(k) = &item.key {
+                            claims.push(self.claim_end(k, false));
+                        }
+                    }
+                    if ending {
+                        // It stays in the queue for the next pass, which decides (and counts)
+                        // it again: recording it here too would count it twice.
+                        continue;
+                    }
+                    delta.failed += 1;
+                    ("failed", r.clone(), String::new())
+                }
+                Act::Unknown(why) => {
+                    unknown += 1;
+                    unknown_why.clone_from(why);
+                    continue;
+                }
+                Act::Unsent => {
+                    if claiming {
+                        if let Some(k) = &item.key {
+                            claims.push(self.claim_end(k, false));
+                        }
+                    }
+                    continue;
+                }
+                // Publish resolves every Replay and Quarantine.
+                Act::Replay(_) | Act::Quarantine(_) => continue,
+            };
+            delta.scanned += 1;
+            if decision != "failed" {
+                if !matches!(item.act, Act::Leftover) {
+                    settled.push((item.fingerprint.clone(), decision.to_string()));
+                }
+                if decision == "replayed" {
+                    if let Some(k) = &item.key {
+                        settled.push((format!("key:{k}"), item.identity.clone()));
+                    }
+                }
+                if !moved {
+                    acks.push(item.delivery.delivery_tag);
+                }
+            }
+            rows.push(AuditRow {
+                id: String::new(),
+                replay: self.replay_id.clone(),
+                message: item.identity.clone(),
+                decision: decision.into(),
+                key: item.key.clone().unwrap_or_default(),
+                reason,
+                destination,
+                canary: false,
+                time: time.clone(),
+            });
+        }
+        acks.sort_unstable();
+        Record {
+            all_acked: acks.len() == items.len(),
+            len: items.len(),
+            rows,
+            settled,
+            claims,
+            delta,
+            acks,
+            refused,
+            moved_digests,
+            unknown,
+            unknown_why,
+        }
+    }
+
+    fn claiming(&self) -> bool {
+        self.replay
+            .spec
+            .idempotency
+            .as_ref()
+            .is_some_and(|i| i.mode == IdempotencyMode::Claim)
+    }
+
+    /// After the step's commit: counts, acks, the move ledger, and the end of the pass when a
+    /// publish was left unconfirmed.
+    pub(super) async fn recorded(
+        &mut self,
+        record: Record,
+        answer: Result<(u64, u64), Error>,
+    ) -> Result<(), Error> {
+        let (records, again) = answer?;
+        let Record {
+            all_acked,
+            len,
+            delta,
+            acks,
+            refused,
+            moved_digests,
+            unknown,
+            unknown_why,
+            ..
+        } = record;
+        if self.claiming() && again > 0 {
+            // The invariant Claim mode exists for broke: say so loudly, and count it.
+            tracing::error!(replay = %self.replay_id, keys = again, "Claim mode published a key twice");
+            crate::metrics::Metrics::global()
+                .double_published
+                .inc_by(again);
+        }
+        add(&mut self.status.counts, &delta);
+        if let Some(a) = self.status.audit.as_mut() {
+            a.records = records;
+        }
+        let src = self
+            .source
+            .as_mut()
+            .ok_or_else(|| Error::Broker("source closed".into()))?;
+        src.ack(&acks, all_acked, len).await?;
+        // The moves' ledger counts come back once the queue has applied the acks (see
+        // source::get_one): the pass takes its last message with basic.get after every other
+        // ack, which makes sure of that for every step but the last; those are taken back when
+        // the pass closes, the last step's stay for the next traversal to settle.
+        let earlier = std::mem::replace(&mut self.last_moved, moved_digests);
+        self.moved.extend(earlier);
+        if !refused.is_empty() {
+            if let Some((_, ledger)) = self.keeper.as_mut() {
+                ledger.take_back(&refused).await?;
+            }
+        }
+        if unknown > 0 {
+            // What was confirmed is recorded and acked; the unconfirmed wait for the next pass,
+            // which finds their claims (or publishes them again in Check mode) like a rerun.
+            let closed = if self.publisher.connection().status().connected() {
+                "the publishing channel closed"
+            } else {
+                "connection lost"
+            };
+            return Err(Error::Connection(format!(
+                "{closed} with {unknown} publishes unconfirmed ({unknown_why})"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Take back the ledger counts of the messages moved before the pass's last step (a pass
+    /// that ended early leaves them for the next traversal to settle).
+    pub(super) async fn take_back_moved(&mut self) {
+        let Some((_, ledger)) = self.keeper.as_mut() else {
+            return;
+        };
+        for chunk in std::mem::take(&mut self.moved).chunks(4096) {
+            if let Err(e) = ledger.take_back(chunk).await {
+                tracing::warn!(error = %e, "taking back the move ledger's counts");
+                return;
+            }
+        }
+    }
+
+    /// The end of this attempt's claim on `key`: published, or released.
+    fn claim_end(&self, key: &str, published: bool) -> store::ClaimEnd {
+        store::ClaimEnd {
+            key: key.to_string(),
+            value: self.claim_value.clone(),
+            published,
+        }
+    }
+}
