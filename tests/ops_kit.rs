@@ -5,7 +5,8 @@
 //!   exported names come from the operator's own registry (`Metrics::new()`, each family touched,
 //!   served by its `/metrics` route), not from a list written here.
 //! - The alerts' promtool unit tests (`deploy/monitoring/tests/rules.test.yaml`) pass, when
-//!   `promtool` is on PATH (else SKIPPED, said on stderr).
+//!   `promtool` is on PATH (else SKIPPED, said on stderr; a failure when REQUIRE_PROMTOOL is set,
+//!   as `.ci/run` does).
 //! - `kubectl kustomize` renders the component alone and added to `deploy/` (SKIPPED without
 //!   kubectl).
 //! - The Argo CD health check (`deploy/gitops/health.lua`), run in Lua 5.1 (Argo CD's
@@ -392,6 +393,10 @@ fn on_path(tool: &str) -> bool {
 #[test]
 fn the_alerts_pass_their_promtool_unit_tests() {
     if !on_path("promtool") {
+        assert!(
+            std::env::var_os("REQUIRE_PROMTOOL").is_none(),
+            "REQUIRE_PROMTOOL is set but promtool is not on PATH (.ci/services installs it)"
+        );
         eprintln!(
             "SKIPPED: promtool not on PATH (Debian: the `prometheus` package; deploy/monitoring/tests/rules.test.yaml not run)"
         );
