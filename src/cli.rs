@@ -69,6 +69,10 @@ pub struct OperatorArgs {
     /// backoff) before it ends Failed.
     #[arg(long, default_value_t = 300)]
     pub reconnect_timeout: u64,
+    /// Each replay's in-flight window (as `run --window`): messages claimed or published and not
+    /// yet recorded, at most; the most a crash can leave unknown.
+    #[arg(long, default_value_t = crate::engine::DEFAULT_WINDOW)]
+    pub window: usize,
     /// Seconds a graceful stop (SIGTERM/SIGINT) may take before the process exits anyway (1):
     /// keep it below the pod's terminationGracePeriodSeconds, so that the operator says so
     /// instead of being killed.
@@ -273,6 +277,7 @@ async fn operator(args: OperatorArgs) -> Result<ExitCode, Error> {
         status_interval: Duration::from_secs(args.status_interval.max(1)),
         instance: args.instance,
         engine: Options {
+            window: args.window.max(1),
             reconnect: Duration::from_secs(args.reconnect_timeout),
             ..Options::default()
         },
