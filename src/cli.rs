@@ -583,13 +583,8 @@ async fn audit(args: AuditArgs) -> Result<ExitCode, Error> {
                         replay.namespace, replay.name
                     ))
                 })?;
-            (
-                replay.redis_url,
-                format!(
-                    "dlq:audit:{}/{}/{}",
-                    replay.namespace, replay.name, state.replay_id
-                ),
-            )
+            let key = store::Keys::audit_of(&replay.namespace, &replay.name, &state.replay_id);
+            (replay.redis_url, key)
         }
         (None, None) => return Err(Error::Config("give -f MANIFEST or --key KEY".into())),
     };

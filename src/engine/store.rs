@@ -288,6 +288,8 @@ pub struct Lookup {
     pub claimed: bool,
 }
 
+const AUDIT_PREFIX: &str = "dlq:audit:";
+
 /// Redis keys of one replay.
 #[derive(Debug, Clone)]
 pub struct Keys {
@@ -305,10 +307,23 @@ impl Keys {
         format!("dlq:replay:{namespace}/{name}")
     }
 
+    /// The audit stream key of run `replay_id` of a replay named `namespace/name`.
+    pub fn audit_of(namespace: &str, name: &str, replay_id: &str) -> String {
+        format!("{AUDIT_PREFIX}{namespace}/{name}/{replay_id}")
+    }
+
+    /// The namespace and name in an audit stream key (the inverse of [`Keys::audit_of`]).
+    pub fn names_of_audit(key: &str) -> Option<(String, String)> {
+        let rest = key.strip_prefix(AUDIT_PREFIX)?;
+        let mut parts = rest.splitn(3, '/');
+        let (ns, name, id) = (parts.next()?, parts.next()?, parts.next()?);
+        (!ns.is_empty() && !name.is_empty() && !id.is_empty()).then(|| (ns.into(), name.into()))
+    }
+
     fn new(namespace: &str, name: &str, replay_id: &str) -> Self {
         Self {
             state: Self::state_of(namespace, name),
-            audit: format!("dlq:audit:{namespace}/{name}/{replay_id}"),
+            audit: Self::audit_of(namespace, name, replay_id),
             settled: format!("dlq:settled:{namespace}/{name}/{replay_id}"),
         }
     }

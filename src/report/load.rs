@@ -38,10 +38,7 @@ pub fn meta_of(resource: &DlqReplay) -> Meta {
 
 /// The namespace and name in an audit key `dlq:audit:<namespace>/<name>/<replay id>`.
 pub fn names_of_key(key: &str) -> Option<(String, String)> {
-    let rest = key.strip_prefix("dlq:audit:")?;
-    let mut parts = rest.splitn(3, '/');
-    let (ns, name, id) = (parts.next()?, parts.next()?, parts.next()?);
-    (!ns.is_empty() && !name.is_empty() && !id.is_empty()).then(|| (ns.into(), name.into()))
+    store::Keys::names_of_audit(key)
 }
 
 /// The replay's status as stored: its final status once it ended Done or CanaryFailed, else
@@ -101,7 +98,7 @@ pub async fn load(
     let state = Store::peek(con.clone(), &meta.namespace, &meta.name).await?;
     let key = match (key, &state) {
         (Some(k), _) => k.to_string(),
-        (None, Some(s)) => format!("dlq:audit:{}/{}/{}", meta.namespace, meta.name, s.replay_id),
+        (None, Some(s)) => store::Keys::audit_of(&meta.namespace, &meta.name, &s.replay_id),
         (None, None) => {
             return Err(Error::Config(format!(
                 "replay {}/{} has never run",

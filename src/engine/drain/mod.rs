@@ -262,23 +262,27 @@ impl<'a> Drain<'a> {
                     End::Drained
                 };
             };
+            let items = match self.confirmed(flight).await {
+                Ok(items) => items,
+                Err(e) => break End::Error(e),
+            };
             // The next step, if it may follow once this one has landed, is admitted with it.
-            let next = match self.room(flights.iter().map(Flight::len).sum(), true, cancel) {
-                Some(more) => match self.source.as_mut() {
-                    Some(src) => match src.next_batch(more, Duration::ZERO).await {
-                        Ok(d) => d,
-                        Err(e) => break End::Error(e),
-                    },
-                    None => Vec::new(),
-                },
-                None => Vec::new(),
+            let busy = flights.iter().map(Flight::len).sum();
+            let next = match self.following(busy, cancel).await {
+                Ok(next) => next,
+                Err(e) => {
+                    if let Err(e) = self.settle(items).await {
+                        tracing::debug!(error = %e, "landing a step after the pass ended");
+                    }
+                    break End::Error(e);
+                }
             };
             if next.is_empty() {
-                if let Err(e) = self.land(flight).await {
+                if let Err(e) = self.settle(items).await {
                     break End::Error(e);
                 }
             } else {
-                let (landed, admitted) = self.land_and_admit(flight, next).await;
+                let (landed, admitted) = self.settle_and_admit(items, next).await;
                 let admitted = match admitted {
                     Ok(f) => {
                         flights.push_back(f);
@@ -329,7 +333,7 @@ impl<'a> Drain<'a> {
         )
     }
 
-    /// Classify, gate and send one step (see [`Drain::land_and_admit`] for what a failure hands
+    /// Classify, gate and send one step (see [`Drain::settle_and_admit`] for what a failure hands
     /// back).
     async fn admit(
         &mut self,
@@ -349,26 +353,30 @@ impl<'a> Drain<'a> {
         }
     }
 
-    /// Land the oldest step and admit the next together: the step's commit and the next step's
-    /// lookup go to Redis at once, the commit first, so the claims taken never outnumber the
-    /// window. A step that cannot be sent (the landing failed, or the publishing channel could
-    /// not open) is handed back as a flight with nothing sent, for `land_all` to release its
-    /// claims.
-    async fn land_and_admit(
+    /// The deliveries of the step that may follow the one landing now (none when the window or
+    /// the last-message rule says wait, or none are ready).
+    async fn following(
         &mut self,
-        flight: Flight,
+        busy: usize,
+        cancel: &CancellationToken,
+    ) -> Result<Vec<Delivery>, Error> {
+        let more = self.room(busy, true, cancel);
+        match (more, self.source.as_mut()) {
+            (Some(more), Some(src)) => src.next_batch(more, Duration::ZERO).await,
+            _ => Ok(Vec::new()),
+        }
+    }
+
+    /// Record the landing step and admit the next together: the step's commit and the next
+    /// step's lookup go to Redis at once, the commit first, so the claims taken never outnumber
+    /// the window. A step that cannot be sent (the landing failed, or the publishing channel
+    /// could not open) is handed back as a flight with nothing sent, for `land_all` to release
+    /// its claims.
+    async fn settle_and_admit(
+        &mut self,
+        items: Vec<Item>,
         deliveries: Vec<Delivery>,
     ) -> (Result<(), Error>, Result<Flight, (Option<Flight>, Error)>) {
-        let Flight {
-            mut items,
-            confirms,
-            sent,
-        } = flight;
-        self.resolve(&mut items, confirms, sent).await;
-        if let Err(e) = self.keep(&mut items).await {
-            // The next step's deliveries go back to the queue, undecided, with the channel.
-            return (Err(e), Ok(unsent(Vec::new())));
-        }
         let record = self.record(&items);
         let mut next = self.classify(deliveries);
         let ask = gate::Ask::of(&next);
@@ -399,6 +407,12 @@ impl<'a> Drain<'a> {
 
     /// Wait for a step's confirms, then keep, record and acknowledge it.
     async fn land(&mut self, flight: Flight) -> Result<(), Error> {
+        let items = self.confirmed(flight).await?;
+        self.settle(items).await
+    }
+
+    /// A step's items once its confirms are in and what it keeps is moved to the tail.
+    async fn confirmed(&mut self, flight: Flight) -> Result<Vec<Item>, Error> {
         let Flight {
             mut items,
             confirms,
@@ -406,7 +420,7 @@ impl<'a> Drain<'a> {
         } = flight;
         self.resolve(&mut items, confirms, sent).await;
         self.keep(&mut items).await?;
-        self.settle(items).await
+        Ok(items)
     }
 
     /// After a failure, land every step still in flight, in order: what was confirmed is

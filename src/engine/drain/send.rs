@@ -54,10 +54,10 @@ impl Drain<'_> {
     /// Where an item goes and as what, or `None` when it is not published (or cannot be: its
     /// act then says why).
     async fn outgoing(&mut self, item: &mut Item) -> Option<(Destination, BasicProperties)> {
-        let user = self.publisher.user();
         let props = &item.delivery.properties;
         match &item.act {
             Act::Quarantine(reason) => {
+                let user = self.publisher.user();
                 let quarantine = Destination {
                     exchange: String::new(),
                     routing_key: self.replay.spec.quarantine.queue.clone(),

@@ -2,7 +2,7 @@
 //! Redis commit, then the acks.
 
 use super::{Act, Drain, Item};
-use crate::api::{Counts, IdempotencyMode};
+use crate::api::Counts;
 use crate::engine::keep;
 use crate::engine::store::{self, AuditRow, Store};
 use crate::engine::{add, now};
@@ -16,8 +16,7 @@ pub(super) struct Record {
     delta: Counts,
     /// Delivery tags to ack, in order.
     acks: Vec<u64>,
-    /// Whether every delivery of the step is among them (one multiple ack may cover it).
-    all_acked: bool,
+    /// Deliveries in the step (all acked: one multiple ack may cover them).
     len: usize,
     /// Ledger counts to take back: copies refused (no copy exists).
     refused: Vec<String>,
@@ -222,7 +221,6 @@ impl Drain<'_> {
         }
         acks.sort_unstable();
         Record {
-            all_acked: acks.len() == items.len(),
             len: items.len(),
             rows,
             settled,
@@ -237,11 +235,7 @@ impl Drain<'_> {
     }
 
     fn claiming(&self) -> bool {
-        self.replay
-            .spec
-            .idempotency
-            .as_ref()
-            .is_some_and(|i| i.mode == IdempotencyMode::Claim)
+        super::gate::claim(self.replay, &self.claim_value).is_some()
     }
 
     /// After the step's commit: counts, acks, the move ledger, and the end of the pass when a
@@ -253,7 +247,6 @@ impl Drain<'_> {
     ) -> Result<(), Error> {
         let (records, again) = answer?;
         let Record {
-            all_acked,
             len,
             delta,
             acks,
@@ -278,7 +271,7 @@ impl Drain<'_> {
             .source
             .as_mut()
             .ok_or_else(|| Error::Broker("source closed".into()))?;
-        src.ack(&acks, all_acked, len).await?;
+        src.ack(&acks, acks.len() == len, len).await?;
         // The moves' ledger counts come back once the queue has applied the acks (see
         // source::get_one): the pass takes its last message with basic.get after every other
         // ack, which makes sure of that for every step but the last; those are taken back when
