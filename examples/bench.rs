@@ -16,6 +16,11 @@
 //! brokers. RabbitMQ 4 runs the quorum section only. The work queue, the DLQ, the quarantine
 //! queue and the Shovel's destination are all of the section's type. Rate accuracy and memory
 //! growth run on RabbitMQ 3.10 with classic queues, as before.
+//!
+//! The canary section (also classic, RabbitMQ 3.10) drains `BENCH_CANARY_N` messages (default
+//! 100,000; 0 skips it) with the canary off and on, `BENCH_CANARY_REPS` times each (default 2),
+//! while unrelated dead letters arrive into the DLQ at 20/s, and compares the drains' speeds.
+//! `BENCH_SECTIONS` (default `throughput,rate,memory,canary`) picks the parts to run.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -25,15 +30,46 @@ use dlq_replay::engine::{self, key::key_of, store};
 use dlq_replay::fixture::{self, QueueType, Topology};
 use futures::StreamExt;
 use lapin::options::{
-    BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions, QueueDeleteOptions,
+    BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, BasicRejectOptions,
+    ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
-use lapin::types::FieldTable;
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection};
 use redis::aio::ConnectionManager;
 use serde_json::{json, Value};
 
 const BODY_BYTES: usize = 1024;
+/// The parts of the bench, in order; `BENCH_SECTIONS` picks some.
+const ALL_SECTIONS: [&str; 4] = ["throughput", "rate", "memory", "canary"];
 const NAMESPACE: &str = "bench";
+
+/// What a replay run adds to the plain unbounded drain.
+#[derive(Debug, Clone, Copy, Default)]
+struct Extras {
+    /// `rate.messagesPerSecond`.
+    rate: Option<u32>,
+    /// Canary on, with this `waitSeconds` (off when none).
+    canary_wait: Option<u64>,
+    /// Unrelated dead letters per second arriving into the DLQ during the run.
+    arrivals: Option<u32>,
+}
+
+/// A failing service's dead letters arriving into the DLQ while a replay runs: jobs published
+/// at a steady rate to a queue of their own whose consumer rejects them, so they reach the DLQ
+/// through the same dead-letter exchange with real `x-death` headers and their own signature.
+struct Unrelated {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<u64>,
+}
+
+impl Unrelated {
+    /// Stop publishing; how many were published (each rejected into the DLQ by the time this
+    /// returns).
+    async fn stop(self) -> u64 {
+        let _ = self.stop.send(());
+        self.task.await.unwrap_or(0)
+    }
+}
 
 /// What one timed run measured.
 #[derive(Debug, Clone)]
@@ -205,6 +241,13 @@ async fn main() {
     let reps = env_usize("BENCH_REPS", 3).max(3);
     let mem = std::env::var("BENCH_MEM").map(|v| v != "0").unwrap_or(true);
     let queues = env_queues();
+    let sections_wanted =
+        std::env::var("BENCH_SECTIONS").unwrap_or_else(|_| ALL_SECTIONS.join(","));
+    let sections_wanted: Vec<&str> = ALL_SECTIONS
+        .iter()
+        .copied()
+        .filter(|s| sections_wanted.split(',').any(|w| w.trim() == *s))
+        .collect();
     let mut b = Bench::new().await;
     let sections = b.sections(&queues);
     header(&b, &args, n, reps, mem, &sections).await;
@@ -212,144 +255,176 @@ async fn main() {
         enable_shovel(broker);
     }
 
-    // Throughput: shovel, Check, Claim, alternating, section after section within each round.
-    let mut shovel = vec![Vec::new(); sections.len()];
-    let mut check = vec![Vec::new(); sections.len()];
-    let mut claim = vec![Vec::new(); sections.len()];
-    println!(
-        "\n== throughput: N = {n} messages of ~{BODY_BYTES} B JSON, {reps} runs each, alternating; sections: {}",
-        sections
-            .iter()
-            .map(|s| s.label.as_str())
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
-    for rep in 1..=reps {
+    if sections_wanted.contains(&"throughput") {
+        // Throughput: shovel, Check, Claim, alternating, section after section within each round.
+        let mut shovel = vec![Vec::new(); sections.len()];
+        let mut check = vec![Vec::new(); sections.len()];
+        let mut claim = vec![Vec::new(); sections.len()];
+        println!(
+            "\n== throughput: N = {n} messages of ~{BODY_BYTES} B JSON, {reps} runs each, alternating; sections: {}",
+            sections
+                .iter()
+                .map(|s| s.label.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        for rep in 1..=reps {
+            for (i, s) in sections.iter().enumerate() {
+                let t = &s.tag;
+                shovel[i].push(b.shovel(s, rep, n).await);
+                check[i].push(
+                    b.replay(s, &format!("{t}check{rep}"), n, "Check", Extras::default())
+                        .await
+                        .0,
+                );
+                claim[i].push(
+                    b.replay(s, &format!("{t}claim{rep}"), n, "Claim", Extras::default())
+                        .await
+                        .0,
+                );
+            }
+        }
+        println!(
+            "\n== throughput table (N = {n}; msg/s = N / wall; dlq-replay: 10 % duplicates in Redis, audit on, canary off, no rate limit; vs Shovel: against the Shovel median of the same broker and queue type)"
+        );
+        println!(
+            "{:<19} {:>4} {:>12} {:>13} {:>11} {:>9} {:>14} {:>14} {:>10} {:>12} {:>11}",
+            "scenario",
+            "runs",
+            "median msg/s",
+            "min-max msg/s",
+            "median wall",
+            "vs Shovel",
+            "peak RSS (med)",
+            "RSS min-max",
+            "proc CPU/s",
+            "broker CPU/s",
+            "other CPU/s"
+        );
+        if sections.is_empty() {
+            println!("(no throughput section: BENCH_QUEUES and BENCH_BROKERS select none)");
+        }
         for (i, s) in sections.iter().enumerate() {
-            let t = &s.tag;
-            shovel[i].push(b.shovel(s, rep, n).await);
-            check[i].push(
-                b.replay(s, &format!("{t}check{rep}"), n, "Check", None)
-                    .await
-                    .0,
-            );
-            claim[i].push(
-                b.replay(s, &format!("{t}claim{rep}"), n, "Claim", None)
-                    .await
-                    .0,
-            );
+            println!("{}:", s.label);
+            let shovel_median = median(shovel[i].iter().map(Run::rate));
+            for (name, runs) in [
+                ("shovel (on-confirm)", &shovel[i]),
+                ("dlq-replay Check", &check[i]),
+                ("dlq-replay Claim", &claim[i]),
+            ] {
+                table_row(name, runs, shovel_median);
+            }
         }
-    }
-    println!(
-        "\n== throughput table (N = {n}; msg/s = N / wall; dlq-replay: 10 % duplicates in Redis, audit on, canary off, no rate limit; vs Shovel: against the Shovel median of the same broker and queue type)"
-    );
-    println!(
-        "{:<19} {:>4} {:>12} {:>13} {:>11} {:>9} {:>14} {:>14} {:>10} {:>12} {:>11}",
-        "scenario",
-        "runs",
-        "median msg/s",
-        "min-max msg/s",
-        "median wall",
-        "vs Shovel",
-        "peak RSS (med)",
-        "RSS min-max",
-        "proc CPU/s",
-        "broker CPU/s",
-        "other CPU/s"
-    );
-    if sections.is_empty() {
-        println!("(no throughput section: BENCH_QUEUES and BENCH_BROKERS select none)");
-    }
-    for (i, s) in sections.iter().enumerate() {
-        println!("{}:", s.label);
-        let shovel_median = median(shovel[i].iter().map(Run::rate));
-        for (name, runs) in [
-            ("shovel (on-confirm)", &shovel[i]),
-            ("dlq-replay Check", &check[i]),
-            ("dlq-replay Claim", &claim[i]),
-        ] {
-            table_row(name, runs, shovel_median);
-        }
-    }
-    println!("  proc CPU/s: dlq-replay's (user+sys) CPU seconds per wall second (1.0 = one core busy); broker CPU/s: the same for the RabbitMQ node (beam.smp) of the section; other CPU/s: the machine's busy time (/proc/stat) less dlq-replay, that broker, Redis and this harness, floored at 0: other work on the machine, i.e. noise (approximate; another broker's idle load counts there); the machine has {} cores.", nproc());
-    for (i, s) in sections.iter().enumerate() {
-        for (name, runs) in [
-            ("dlq-replay Check", &check[i]),
-            ("dlq-replay Claim", &claim[i]),
-        ] {
-            let user = median(runs.iter().filter_map(|r| r.cpu.map(|c| c.0 / r.wall)));
-            let sys = median(runs.iter().filter_map(|r| r.cpu.map(|c| c.1 / r.wall)));
-            let redis = median(runs.iter().map(|r| r.usage.redis / r.wall));
-            let us = median(
-                runs.iter()
-                    .filter_map(|r| r.cpu.map(|c| (c.0 + c.1) * 1e6 / r.n as f64)),
-            );
+        println!("  proc CPU/s: dlq-replay's (user+sys) CPU seconds per wall second (1.0 = one core busy); broker CPU/s: the same for the RabbitMQ node (beam.smp) of the section; other CPU/s: the machine's busy time (/proc/stat) less dlq-replay, that broker, Redis and this harness, floored at 0: other work on the machine, i.e. noise (approximate; another broker's idle load counts there); the machine has {} cores.", nproc());
+        for (i, s) in sections.iter().enumerate() {
+            for (name, runs) in [
+                ("dlq-replay Check", &check[i]),
+                ("dlq-replay Claim", &claim[i]),
+            ] {
+                let user = median(runs.iter().filter_map(|r| r.cpu.map(|c| c.0 / r.wall)));
+                let sys = median(runs.iter().filter_map(|r| r.cpu.map(|c| c.1 / r.wall)));
+                let redis = median(runs.iter().map(|r| r.usage.redis / r.wall));
+                let us = median(
+                    runs.iter()
+                        .filter_map(|r| r.cpu.map(|c| (c.0 + c.1) * 1e6 / r.n as f64)),
+                );
+                println!(
+                    "  {}, {name}: median user {user:.2} + sys {sys:.2} CPU/s, {us:.0} us CPU per message; Redis {redis:.2} CPU/s",
+                    s.label
+                );
+            }
+            let shovel_redis = median(shovel[i].iter().map(|r| r.usage.redis / r.wall));
             println!(
-                "  {}, {name}: median user {user:.2} + sys {sys:.2} CPU/s, {us:.0} us CPU per message; Redis {redis:.2} CPU/s",
+                "  {}, shovel: Redis {shovel_redis:.2} CPU/s (idle, as expected)",
                 s.label
             );
         }
-        let shovel_redis = median(shovel[i].iter().map(|r| r.usage.redis / r.wall));
-        println!(
-            "  {}, shovel: Redis {shovel_redis:.2} CPU/s (idle, as expected)",
-            s.label
-        );
-    }
-
-    // Rate accuracy.
-    println!("\n== rate accuracy (arrival times on the target queue, from a consumer started before the replay)");
-    let mut rows = Vec::new();
-    for (count, limit) in [(5_000usize, 500u32), (1_000, 50)] {
-        rows.push(b.rate(count, limit).await);
-    }
-    println!(
-        "{:<8} {:>6} {:>14} {:>18} {:>16} {:>20} {:>11} {:>13}",
-        "limit",
-        "msgs",
-        "achieved msg/s",
-        "worst 1-s window",
-        "first 1-s window",
-        "worst after first 1s",
-        "drain time",
-        "process wall"
-    );
-    for row in rows {
-        println!("{row}");
-    }
-    println!("  achieved = (arrivals - 1) / (last arrival - first arrival); a 1-s window is [t, t+1s) for every arrival t; the worst is the one with most arrivals (percent over the limit in brackets)");
-
-    // Memory growth.
-    println!("\n== memory growth (Check mode, same setup as the throughput runs)");
-    let base = Section::classic_3_10();
-    let small = b.replay(&base, "mem10k", 10_000, "Check", None).await.0;
-    let big = if mem {
-        Some(b.replay(&base, "mem100k", 100_000, "Check", None).await.0)
     } else {
-        println!("  N = 100000 skipped (BENCH_MEM=0)");
-        None
-    };
-    println!(
-        "{:<10} {:>14} {:>12} {:>10}",
-        "N", "peak RSS", "wall", "msg/s"
-    );
-    for r in std::iter::once(&small).chain(big.as_ref()) {
-        println!(
-            "{:<10} {:>14} {:>11.2}s {:>10.0}",
-            r.n,
-            rss_text(r.rss_kib),
-            r.wall,
-            r.rate()
-        );
+        println!("\n== throughput: skipped (BENCH_SECTIONS)");
     }
-    if let (Some(big), Some(a), Some(z)) =
-        (&big, small.rss_kib, big.as_ref().and_then(|r| r.rss_kib))
-    {
+
+    if sections_wanted.contains(&"rate") {
+        // Rate accuracy.
+        println!("\n== rate accuracy (arrival times on the target queue, from a consumer started before the replay)");
+        let mut rows = Vec::new();
+        for (count, limit) in [(5_000usize, 500u32), (1_000, 50)] {
+            rows.push(b.rate(count, limit).await);
+        }
         println!(
-            "  ratio 100k/10k: {:.2}x peak RSS for {}x messages ({:.1} KiB per extra message)",
-            z as f64 / a as f64,
-            big.n / small.n,
-            (z as f64 - a as f64) / (big.n - small.n) as f64
+            "{:<8} {:>6} {:>14} {:>18} {:>16} {:>20} {:>11} {:>13}",
+            "limit",
+            "msgs",
+            "achieved msg/s",
+            "worst 1-s window",
+            "first 1-s window",
+            "worst after first 1s",
+            "drain time",
+            "process wall"
         );
+        for row in rows {
+            println!("{row}");
+        }
+        println!("  achieved = (arrivals - 1) / (last arrival - first arrival); a 1-s window is [t, t+1s) for every arrival t; the worst is the one with most arrivals (percent over the limit in brackets)");
+    } else {
+        println!("\n== rate: skipped (BENCH_SECTIONS)");
+    }
+
+    if sections_wanted.contains(&"memory") {
+        // Memory growth.
+        println!("\n== memory growth (Check mode, same setup as the throughput runs)");
+        let base = Section::classic_3_10();
+        let small = b
+            .replay(&base, "mem10k", 10_000, "Check", Extras::default())
+            .await
+            .0;
+        let big = if mem {
+            Some(
+                b.replay(&base, "mem100k", 100_000, "Check", Extras::default())
+                    .await
+                    .0,
+            )
+        } else {
+            println!("  N = 100000 skipped (BENCH_MEM=0)");
+            None
+        };
+        println!(
+            "{:<10} {:>14} {:>12} {:>10}",
+            "N", "peak RSS", "wall", "msg/s"
+        );
+        for r in std::iter::once(&small).chain(big.as_ref()) {
+            println!(
+                "{:<10} {:>14} {:>11.2}s {:>10.0}",
+                r.n,
+                rss_text(r.rss_kib),
+                r.wall,
+                r.rate()
+            );
+        }
+        if let (Some(big), Some(a), Some(z)) =
+            (&big, small.rss_kib, big.as_ref().and_then(|r| r.rss_kib))
+        {
+            println!(
+                "  ratio 100k/10k: {:.2}x peak RSS for {}x messages ({:.1} KiB per extra message)",
+                z as f64 / a as f64,
+                big.n / small.n,
+                (z as f64 - a as f64) / (big.n - small.n) as f64
+            );
+        }
+    } else {
+        println!("\n== memory: skipped (BENCH_SECTIONS)");
+    }
+
+    if sections_wanted.contains(&"canary") {
+        // Canary with arrivals: the drain's speed with the canary on (its return watch running)
+        // against the same drain with it off, while another service's dead letters keep arriving.
+        let canary_n = env_usize("BENCH_CANARY_N", 100_000);
+        if canary_n == 0 {
+            println!("\n== canary with arrivals: skipped (BENCH_CANARY_N=0)");
+        } else {
+            canary_section(&mut b, canary_n, env_usize("BENCH_CANARY_REPS", 2).max(1)).await;
+        }
+    } else {
+        println!("\n== canary: skipped (BENCH_SECTIONS)");
     }
 
     if b.problems.is_empty() {
@@ -361,6 +436,64 @@ async fn main() {
         }
         std::process::exit(1);
     }
+}
+
+async fn canary_section(b: &mut Bench, n: usize, reps: usize) {
+    // The canary's `waitSeconds` (default the least the spec allows).
+    let wait = env_usize("BENCH_CANARY_WAIT", 5) as u64;
+    // Unrelated dead letters per second (0: none).
+    let per_s = env_usize("BENCH_CANARY_ARRIVALS", 20) as u32;
+    println!(
+        "\n== canary with arrivals (classic DLQ, RabbitMQ 3.10; N = {n}, 10 % duplicates, Check; {per_s}/s unrelated dead letters (another queue's, own signature) arriving into the DLQ during the whole run; canary off vs on (waitSeconds {wait}), alternating, {reps} runs each)"
+    );
+    let base = Section::classic_3_10();
+    let (mut off, mut on) = (Vec::new(), Vec::new());
+    for rep in 1..=reps {
+        for (canary, runs) in [(None, &mut off), (Some(wait), &mut on)] {
+            let scenario = format!("canary{}{rep}", if canary.is_some() { "on" } else { "off" });
+            let extras = Extras {
+                canary_wait: canary,
+                arrivals: (per_s > 0).then_some(per_s),
+                ..Default::default()
+            };
+            let (run, arrivals) = b.replay(&base, &scenario, n, "Check", extras).await;
+            runs.push((run, arrivals));
+        }
+    }
+    // The drain's own speed: the replayed messages' arrivals on the target after the first
+    // (the canary, when on), over their span.
+    let drain_rate = |a: &[f64]| match a {
+        [_, second, .., last] if last > second => (a.len() - 2) as f64 / (last - second),
+        _ => 0.0,
+    };
+    let off_rate = median(off.iter().map(|(_, a)| drain_rate(a)));
+    println!(
+        "{:<12} {:>4} {:>17} {:>15} {:>15} {:>12} {:>23}",
+        "canary",
+        "runs",
+        "drain msg/s (med)",
+        "min-max",
+        "vs canary off",
+        "median wall",
+        "first drained at (med)"
+    );
+    for (label, runs) in [("off", &off), ("on", &on)] {
+        let rates: Vec<f64> = runs.iter().map(|(_, a)| drain_rate(a)).collect();
+        let rate = median(rates.iter().copied());
+        let (lo, hi) = rates
+            .iter()
+            .fold((f64::MAX, 0.0f64), |(lo, hi), &r| (lo.min(r), hi.max(r)));
+        let first = median(runs.iter().filter_map(|(_, a)| a.get(1).copied()));
+        println!(
+            "{label:<12} {:>4} {rate:>17.0} {:>15} {:>14.2}x {:>11.2}s {:>22.2}s",
+            runs.len(),
+            format!("{lo:.0}-{hi:.0}"),
+            rate / off_rate,
+            median(runs.iter().map(|(r, _)| r.wall)),
+            first
+        );
+    }
+    println!("  drain msg/s = (replayed arrivals on the target after the first - 1) / their time span, from a consumer started before the replay; first drained at = seconds from the process start to the second arrival (with the canary on: after the selection pass over the whole DLQ and the wait)");
 }
 
 impl Bench {
@@ -636,8 +769,9 @@ impl Bench {
         scenario: &str,
         n: usize,
         mode: &str,
-        rate: Option<u32>,
+        extras: Extras,
     ) -> (Run, Vec<f64>) {
+        let rate = extras.rate;
         let prefix = self.prefix(scenario);
         let topo = self.build_dlq(s, &prefix, n).await;
         let idem = format!("{prefix}:idem:");
@@ -650,8 +784,12 @@ impl Bench {
         let rate_line = rate
             .map(|r| format!("  rate: {{messagesPerSecond: {r}}}\n"))
             .unwrap_or_default();
+        let canary = match extras.canary_wait {
+            Some(w) => format!("{{enabled: true, waitSeconds: {w}}}"),
+            None => "{enabled: false}".into(),
+        };
         let text = format!(
-            "apiVersion: replay.dlq.dev/v1alpha1\nkind: DlqReplay\nmetadata: {{name: {name}, namespace: {NAMESPACE}}}\nspec:\n  broker: {{url: \"{amqp}\"}}\n  source: {{queue: {dlq}}}\n  quarantine: {{queue: {q}}}\n  canary: {{enabled: false}}\n  idempotency:\n    mode: {mode}\n    key: {{fields: [{{pointer: /id}}], prefix: \"{idem}\"}}\n{rate_line}",
+            "apiVersion: replay.dlq.dev/v1alpha1\nkind: DlqReplay\nmetadata: {{name: {name}, namespace: {NAMESPACE}}}\nspec:\n  broker: {{url: \"{amqp}\"}}\n  source: {{queue: {dlq}}}\n  quarantine: {{queue: {q}}}\n  canary: {canary}\n  idempotency:\n    mode: {mode}\n    key: {{fields: [{{pointer: /id}}], prefix: \"{idem}\"}}\n{rate_line}",
             amqp = self.brokers[s.broker].amqp,
             dlq = topo.dlq,
             q = topo.quarantine,
@@ -660,9 +798,17 @@ impl Bench {
         let file = self.tmp.path().join(format!("{scenario}.yaml"));
         std::fs::write(&file, &text).expect("manifest");
 
-        // With a rate: a consumer on the target queue timestamps every arrival.
-        let arrivals = match rate {
-            Some(_) => Some(self.arrival_clock(s, &topo.work, n).await),
+        // With a rate or a canary: a consumer on the target queue (the recovered worker the
+        // canary needs) timestamps every arrival.
+        let clocked = rate.is_some() || extras.canary_wait.is_some() || extras.arrivals.is_some();
+        let arrivals = if clocked {
+            Some(self.arrival_clock(s, &topo.work, n - done).await)
+        } else {
+            None
+        };
+        let other = format!("{prefix}.other");
+        let unrelated = match extras.arrivals {
+            Some(per_s) => Some(self.unrelated(s, &topo, &other, per_s).await),
             None => None,
         };
         let rss_file = self.tmp.path().join(format!("{scenario}.rss"));
@@ -699,6 +845,10 @@ impl Bench {
         .expect("dlq-replay output");
         let wall = started.elapsed().as_secs_f64();
         let usage = self.cpu(s) - usage0;
+        let unrelated = match unrelated {
+            Some(u) => Some(u.stop().await),
+            None => None,
+        };
         let (rss_kib, cpu) = if self.time_rss {
             parse_time(&std::fs::read_to_string(&rss_file).unwrap_or_default())
         } else {
@@ -724,28 +874,33 @@ impl Bench {
         let (replayed, dups) = (count("replayed"), count("duplicates"));
         let ch = self.channel(s).await;
         let target = self.depth(&ch, &topo.work).await as u64;
+        // Every unrelated dead letter is still in the DLQ: behind the pass, or held back.
+        let left = self.depth(&ch, &topo.dlq).await as u64;
         let _ = ch.close(200, "ok".into()).await;
-        let expected_target = if rate.is_some() { 0 } else { replayed };
+        let expected_target = if clocked { 0 } else { replayed };
+        let expected_left = unrelated.unwrap_or(0);
         if !out.status.success()
             || status["phase"] != "Done"
             || replayed + dups != n as u64
             || dups != done as u64
             || target != expected_target
+            || left != expected_left
         {
             self.problems.push(format!(
-                "{prefix}: exit {:?}, phase {}, replayed {replayed}, duplicates {dups} (expected {done}), target holds {target}; stderr: {}",
+                "{prefix}: exit {:?}, phase {}, replayed {replayed}, duplicates {dups} (expected {done}), target holds {target}, DLQ holds {left} (expected {expected_left}: the unrelated dead letters); stderr: {}",
                 out.status.code(),
                 status["phase"],
                 String::from_utf8_lossy(&out.stderr).trim()
             ));
         }
-        if rate.is_some() && arrivals.len() != n {
+        if clocked && arrivals.len() != n - done {
             self.problems.push(format!(
-                "{prefix}: the consumer saw {} of {n} arrivals",
-                arrivals.len()
+                "{prefix}: the consumer saw {} of {} arrivals",
+                arrivals.len(),
+                n - done
             ));
         }
-        self.drop_topology(s, &topo, &[]).await;
+        self.drop_topology(s, &topo, &[&other]).await;
         self.forget(&idem, &name).await;
         let run = Run {
             n,
@@ -759,10 +914,17 @@ impl Bench {
             .map(|(u, s)| format!("user {u:.2}s sys {s:.2}s ({:.2} CPU/s)", (u + s) / wall))
             .unwrap_or_else(|| "cpu n/a".into());
         println!(
-            "  {scenario} ({mode}{}{}): {wall:.2}s, {:.0} msg/s, replayed {replayed}, duplicates {dups}, peak RSS {}, {cpu_text}; broker {:.2} CPU/s, Redis {:.2} CPU/s; {}",
+            "  {scenario} ({mode}{}{}{}): {wall:.2}s, {:.0} msg/s, replayed {replayed}, duplicates {dups}, skipped {}, peak RSS {}, {cpu_text}; broker {:.2} CPU/s, Redis {:.2} CPU/s; {}",
             rate.map(|r| format!(", {r}/s")).unwrap_or_default(),
+            match (extras.canary_wait, unrelated) {
+                (Some(w), Some(u)) => format!(", canary {w}s, {u} unrelated dead letters arrived"),
+                (None, Some(u)) => format!(", canary off, {u} unrelated dead letters arrived"),
+                (Some(w), None) => format!(", canary {w}s"),
+                (None, None) => String::new(),
+            },
             s.note(),
             run.rate(),
+            count("skipped"),
             rss_text(run.rss_kib),
             run.usage.broker / wall,
             run.usage.redis / wall,
@@ -779,7 +941,10 @@ impl Bench {
                 &format!("rate{limit}"),
                 count,
                 "Check",
-                Some(limit),
+                Extras {
+                    rate: Some(limit),
+                    ..Default::default()
+                },
             )
             .await;
         let label = format!("{limit}/s");
@@ -805,6 +970,85 @@ impl Bench {
             last - first,
             run.wall
         )
+    }
+
+    /// Start `per_s` unrelated dead letters a second into `topo`'s DLQ, through `other`, a queue
+    /// dead-lettering into the same exchange whose consumer rejects everything.
+    async fn unrelated(&self, s: &Section, topo: &Topology, other: &str, per_s: u32) -> Unrelated {
+        let ch = self.channel(s).await;
+        let mut args = FieldTable::default();
+        args.insert(
+            "x-dead-letter-exchange".into(),
+            AMQPValue::LongString(topo.dlx.as_str().into()),
+        );
+        ch.queue_declare(other.into(), QueueDeclareOptions::durable(), args)
+            .await
+            .expect("other queue");
+        ch.confirm_select(ConfirmSelectOptions::default())
+            .await
+            .expect("confirms");
+        let rejecter = self.channel(s).await;
+        let mut consumer = rejecter
+            .basic_consume(
+                other.into(),
+                "bench-rejecter".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("consume other");
+        let rejected = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let counter = rejected.clone();
+        tokio::spawn(async move {
+            while let Some(Ok(d)) = consumer.next().await {
+                let _ = d.reject(BasicRejectOptions { requeue: false }).await;
+                counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        });
+        let (stop, mut stopped) = tokio::sync::oneshot::channel();
+        let other = other.to_string();
+        let task = tokio::spawn(async move {
+            // From a second on: the replay has read the DLQ's depth by then, so every unrelated
+            // dead letter arrives behind the messages the replay started with.
+            let period = Duration::from_secs_f64(1.0 / f64::from(per_s));
+            let mut tick = tokio::time::interval_at(
+                tokio::time::Instant::now() + Duration::from_secs(1),
+                period,
+            );
+            let mut sent = 0u64;
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    _ = &mut stopped => break,
+                }
+                let id = format!("other-{sent:06}");
+                let (props, body) =
+                    fixture::job(&id, json!({"id": id, "kind": "other"}), "ValueError");
+                let confirm = ch
+                    .basic_publish(
+                        "".into(),
+                        other.as_str().into(),
+                        BasicPublishOptions::default(),
+                        &body,
+                        props,
+                    )
+                    .await
+                    .expect("publish other");
+                confirm.await.expect("confirm other");
+                sent += 1;
+            }
+            // Each one reaches the DLQ before the harness counts it.
+            for _ in 0..200 {
+                if rejected.load(std::sync::atomic::Ordering::SeqCst) >= sent {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let _ = rejecter.close(200, "ok".into()).await;
+            let _ = ch.close(200, "ok".into()).await;
+            sent
+        });
+        Unrelated { stop, task }
     }
 
     /// A consumer on `queue` that returns the arrival instants of `n` messages.
@@ -833,7 +1077,9 @@ impl Bench {
         tokio::spawn(async move {
             let mut seen = Vec::with_capacity(n);
             while seen.len() < n {
-                match tokio::time::timeout(Duration::from_secs(60), consumer.next()).await {
+                // The first may wait out a canary's selection pass over a large DLQ.
+                let wait = Duration::from_secs(if seen.is_empty() { 600 } else { 60 });
+                match tokio::time::timeout(wait, consumer.next()).await {
                     Ok(Some(Ok(_))) => seen.push(Instant::now()),
                     _ => break,
                 }

@@ -94,6 +94,19 @@ pub enum LogFormat {
 }
 
 impl Cli {
+    /// The tokio runtime the command runs on. The operator drives many replays and serves
+    /// metrics and probes: a worker thread per core. Every other command drives one replay (or
+    /// one read) and gains nothing from more threads: on one thread, a Redis reply or a
+    /// broker confirm wakes the drain without a hop between threads, which costs CPU on every
+    /// message (see bench/RESULTS.md for the measured difference).
+    pub fn runtime(&self) -> std::io::Result<tokio::runtime::Runtime> {
+        let mut builder = match &self.command {
+            Command::Operator(_) => tokio::runtime::Builder::new_multi_thread(),
+            _ => tokio::runtime::Builder::new_current_thread(),
+        };
+        builder.enable_all().build()
+    }
+
     /// The default log filter (when `RUST_LOG` is unset) and whether to log JSON: `warn` for
     /// the commands a person runs, `info` for the operator.
     pub fn logging(&self) -> (&'static str, bool) {

@@ -2,11 +2,17 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     dlq_replay::tls::install_provider();
     let cli = dlq_replay::cli::Cli::parse();
     let (filter, json) = cli.logging();
     dlq_replay::telemetry::init(filter, json);
-    dlq_replay::cli::main(cli).await
+    let runtime = match cli.runtime() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(dlq_replay::cli::main(cli))
 }

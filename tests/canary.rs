@@ -242,6 +242,78 @@ async fn two_signatures_one_fixed_one_not_drain_only_the_fixed_one(t: Target) {
     w.cleanup().await;
 }
 
+matrix!(a_signature_that_arrives_after_the_canaries_were_chosen_is_held_back);
+async fn a_signature_that_arrives_after_the_canaries_were_chosen_is_held_back(t: Target) {
+    let w = World::on("canary-late-sig", &t).await;
+    w.dead_letter(
+        (0..6)
+            .map(|i| typed(&format!("t{i}"), "TimeoutError"))
+            .collect(),
+    )
+    .await;
+    // Another job type is still failing: its dead letters reach the DLQ during the canary wait,
+    // so they are in the drain's pass, but no canary ever proved the fix for them.
+    let _worker = worker(&w, &["ValueError"], false).await;
+    let spec = canary_spec(&w, "");
+    let resource = w.manifest(&spec);
+    let replay = w.replay(&resource);
+    let run = tokio::spawn(async move {
+        let (tx, _rx) = tokio::sync::watch::channel(DlqReplayStatus::default());
+        engine::run(&replay, &Options::default(), &tx, &CancellationToken::new()).await
+    });
+    // Wait until the canary is out (the DLQ holds the other five), then let two fail.
+    for _ in 0..100 {
+        if w.depth(&w.topo.dlq).await == 5 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let ch = w.conn.create_channel().await.unwrap();
+    for i in 0..2 {
+        let (p, b) = typed(&format!("v{i}"), "ValueError");
+        ch.basic_publish(
+            w.topo.exchange.as_str().into(),
+            dlq_replay::fixture::ROUTING_KEY.into(),
+            Default::default(),
+            &b,
+            p,
+        )
+        .await
+        .unwrap();
+    }
+    let status = run.await.unwrap().unwrap();
+    assert_eq!(status.phase, Some(Phase::Done), "{status:?}");
+    assert_eq!(status.canary.len(), 1, "{:?}", status.canary);
+    assert_eq!(status.canary[0].result, CanaryResult::Passed);
+    assert_eq!(status.counts.replayed, 6, "{:?}", status.counts);
+    assert_eq!(status.counts.skipped, 2, "{:?}", status.counts);
+    let msg = status.message.clone().unwrap_or_default();
+    assert!(
+        msg.contains(
+            "2 held back because no canary proved their signature (x-exception-type=ValueError)"
+        ),
+        "{msg}"
+    );
+    let left = w.peek(&w.topo.dlq).await;
+    assert_eq!(
+        ids(&left).into_iter().collect::<HashSet<_>>(),
+        HashSet::from(["v0".to_string(), "v1".to_string()]),
+        "the unproven ValueError jobs stay in the DLQ, nothing else"
+    );
+    assert!(left.iter().all(|m| header(m, "x-replay-id").is_none()));
+    let held = w
+        .audit(&status)
+        .await
+        .into_iter()
+        .filter(|r| r.message == "v0" || r.message == "v1")
+        .count();
+    assert_eq!(
+        held, 0,
+        "a held-back message is not replayed, so it has no audit row"
+    );
+    w.cleanup().await;
+}
+
 matrix!(no_consumer_keeps_the_replay_pending_and_touches_nothing);
 async fn no_consumer_keeps_the_replay_pending_and_touches_nothing(t: Target) {
     let w = World::on("canary-pending", &t).await;

@@ -20,6 +20,7 @@ use crate::api::{CanaryResult, CanaryStatus, Counts, DlqReplaySpec, IdempotencyM
 use crate::engine::classify::{self, Destination, Rules, Verdict};
 use crate::engine::message;
 use crate::engine::now;
+use crate::engine::proven;
 use crate::engine::publish::{self, Publisher};
 use crate::engine::scan::Scan;
 use crate::engine::source;
@@ -563,12 +564,7 @@ impl Watch {
     pub fn held_back(&self) -> HashSet<String> {
         self.canaries
             .iter()
-            .filter(|c| {
-                matches!(
-                    c.result,
-                    CanaryResult::DiedAgain | CanaryResult::Unconfirmed
-                )
-            })
+            .filter(|c| !proven::passed(c.result))
             .map(|c| c.signature.clone())
             .collect()
     }

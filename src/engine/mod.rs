@@ -10,6 +10,7 @@ pub mod keep;
 pub mod key;
 pub mod message;
 pub mod plan;
+pub mod proven;
 pub mod publish;
 pub mod scan;
 pub mod source;
@@ -335,8 +336,8 @@ async fn replay_pass(
         &mut status,
     )
     .await;
-    let held = match phase {
-        Ok(CanaryEnd::Drain(held)) => held,
+    let proven = match phase {
+        Ok(CanaryEnd::Drain(proven)) => proven,
         Ok(CanaryEnd::Stop) => {
             if status.phase == Some(Phase::CanaryFailed) {
                 status.finished_at = Some(now());
@@ -381,7 +382,7 @@ async fn replay_pass(
         (window, step),
     );
     drain.keeper = Some((mover, ledger));
-    drain.held_back = held;
+    drain.proven = proven;
     drain.cancel = cancel.clone();
     if replay.spec.canary.enabled {
         let mut redis = drain.store.redis();
@@ -430,8 +431,8 @@ async fn replay_pass(
 }
 
 enum CanaryEnd {
-    /// Drain, holding back these signatures.
-    Drain(std::collections::HashSet<String>),
+    /// Drain the signatures the canaries proved.
+    Drain(proven::Proven),
     /// Do not drain: the status says why.
     Stop,
 }
@@ -454,10 +455,10 @@ async fn canary_phase(
         // A resumed replay keeps the decisions its canaries already made.
         status.canary = serde_json::from_str(json)
             .map_err(|e| Error::Redis(format!("stored canary results: {e}")))?;
-        return Ok(CanaryEnd::Drain(held_of(&status.canary)));
+        return Ok(CanaryEnd::Drain(proven::Proven::of(&status.canary)));
     }
     if !spec.canary.enabled {
-        return Ok(CanaryEnd::Drain(Default::default()));
+        return Ok(CanaryEnd::Drain(proven::Proven::All));
     }
     let claim_value = format!("{}/{}", state.replay_id, state.attempt);
     let mut redis = store.redis();
@@ -480,7 +481,7 @@ async fn canary_phase(
         .await?;
         match sel {
             canary::Selection::Sent(w) => break w,
-            canary::Selection::Nothing => return Ok(CanaryEnd::Drain(Default::default())),
+            canary::Selection::Nothing => return Ok(CanaryEnd::Drain(proven::Proven::All)),
             canary::Selection::Refused(why) => {
                 status.phase = Some(Phase::Failed);
                 status.message = Some(why);
@@ -579,16 +580,7 @@ async fn canary_phase(
         ));
         return Ok(CanaryEnd::Stop);
     }
-    Ok(CanaryEnd::Drain(held))
-}
-
-fn held_of(canaries: &[crate::api::CanaryStatus]) -> std::collections::HashSet<String> {
-    use crate::api::CanaryResult::{DiedAgain, Unconfirmed};
-    canaries
-        .iter()
-        .filter(|c| matches!(c.result, DiedAgain | Unconfirmed))
-        .map(|c| c.signature.clone())
-        .collect()
+    Ok(CanaryEnd::Drain(proven::Proven::of(&watch.canaries)))
 }
 
 async fn declare_quarantine(conn: &Connection, queue: &str) -> Result<(), Error> {

@@ -21,6 +21,9 @@ use crate::Error;
 /// Kept messages moved together: one ledger write, one confirm wait.
 const MOVE_BATCH: usize = 256;
 
+/// `basic.get`s in flight at once ([`Scan::fetch_ahead`]).
+const GET_AHEAD: u64 = 32;
+
 /// One traversal of one queue.
 pub struct Scan {
     ch: Channel,
@@ -83,12 +86,11 @@ impl Scan {
                 // take the last message itself (inside the bound), not one past the bound.
                 self.flush().await?;
             }
-            let d = match self.ahead.pop_front() {
-                Some(d) => d,
-                None => match source::get_one(&self.ch, &self.queue).await? {
-                    Some(d) => d,
-                    None => return Ok(None),
-                },
+            if self.ahead.is_empty() {
+                self.fetch_ahead().await?;
+            }
+            let Some(d) = self.ahead.pop_front() else {
+                return Ok(None);
             };
             self.taken += 1;
             watch::note_route(&mut self.routes, &d);
@@ -100,6 +102,30 @@ impl Scan {
             return Ok(Some(d));
         }
         Ok(None)
+    }
+
+    /// Take the traversal's next messages with several `basic.get`s in flight at once: one
+    /// after the other, each waited a round trip, and a 100,000-message traversal took 36 s
+    /// where the drain of the same queue took 16 (bench/RESULTS.md, canary section). Never past
+    /// the bound, and never the traversal's last message, which comes alone (see `next`).
+    async fn fetch_ahead(&mut self) -> Result<(), Error> {
+        let left = self.depth - self.taken - self.ahead.len() as u64;
+        let k = match left {
+            0 | 1 => left,
+            _ => (left - 1).min(GET_AHEAD),
+        };
+        let gets = (0..k).map(|_| source::get_one(&self.ch, &self.queue));
+        let mut got: Vec<Delivery> = futures::future::try_join_all(gets)
+            .await?
+            .into_iter()
+            .flatten()
+            .collect();
+        // The broker answers the gets in the order they were sent: queue order, which the
+        // delivery tags number. Sorted anyway, so the traversal's order never rests on the
+        // client's bookkeeping.
+        got.sort_by_key(|d| d.delivery_tag);
+        self.ahead.extend(got);
+        Ok(())
     }
 
     /// Leave `d` in the queue (moved to its tail).

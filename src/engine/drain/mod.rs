@@ -28,7 +28,9 @@ use tokio_util::sync::CancellationToken;
 use super::classify::{self, Destination, Rules, SkipReason, Verdict};
 use super::source::{self, Source};
 use super::store::{self, Store};
-use super::{keep, limiter, message, now, publish, summary, watch, Options, Progress, Replay};
+use super::{
+    keep, limiter, message, now, proven, publish, summary, watch, Options, Progress, Replay,
+};
 use crate::api::{DlqReplayStatus, Phase};
 use crate::Error;
 
@@ -139,8 +141,10 @@ pub(super) struct Drain<'a> {
     /// A step had publishes left unconfirmed: the pass ends, and what later steps failed stays
     /// in the queue for the next pass to decide (and count).
     ending: bool,
-    /// Signatures whose canary did not pass: their messages stay in the queue.
-    pub(super) held_back: HashSet<String>,
+    /// The signatures the canaries proved; the others' messages stay in the queue.
+    pub(super) proven: proven::Proven,
+    /// Messages held back because no canary met their signature, per signature.
+    unproven: std::collections::BTreeMap<String, u64>,
     /// Messages of this replay that came back (by fingerprint) behind the pass's bound.
     returns_behind: HashSet<String>,
     last_return_check: Option<tokio::time::Instant>,
@@ -190,7 +194,8 @@ impl<'a> Drain<'a> {
             failed_keys: HashMap::new(),
             closed_on: None,
             ending: false,
-            held_back: Default::default(),
+            proven: Default::default(),
+            unproven: Default::default(),
             returns_behind: Default::default(),
             last_return_check: None,
             keeper: None,
@@ -262,10 +267,7 @@ impl<'a> Drain<'a> {
                     End::Drained
                 };
             };
-            let items = match self.confirmed(flight).await {
-                Ok(items) => items,
-                Err(e) => break End::Error(e),
-            };
+            let items = self.confirmed(flight).await;
             // The next step, if it may follow once this one has landed, is admitted with it.
             let busy = flights.iter().map(Flight::len).sum();
             let next = match self.following(busy, cancel).await {
@@ -377,15 +379,21 @@ impl<'a> Drain<'a> {
         items: Vec<Item>,
         deliveries: Vec<Delivery>,
     ) -> (Result<(), Error>, Result<Flight, (Option<Flight>, Error)>) {
-        let record = self.record(&items);
+        let mut items = items;
+        let mut record = self.record(&items);
         let mut next = self.classify(deliveries);
         let ask = gate::Ask::of(&next);
         let claim = gate::claim(self.replay, &self.claim_value);
-        let (answer, lookups) = tokio::join!(
+        // The landing step's moves need nothing its commit writes: all three at once.
+        let (moves, answer, lookups) = tokio::join!(
+            settle::keep_moves(self.keeper.as_mut(), &items),
             record.commit(&mut self.store),
-            ask.lookup(&mut self.gate_store, &next, claim)
+            ask.lookup(&mut self.gate_store, &next, claim),
         );
-        let landed = self.recorded(record, answer).await;
+        // A failed move leaves its messages unacked (back in the queue with the channel); the
+        // rest of the step is recorded and acked as usual, and the pass ends.
+        let moved = moves.map(|m| record.moved(&mut items, m));
+        let landed = self.recorded(record, answer).await.and(moved);
         let lookups = match lookups {
             Ok(l) => l,
             Err(e) => return (landed, Err((None, e))),
@@ -407,20 +415,19 @@ impl<'a> Drain<'a> {
 
     /// Wait for a step's confirms, then keep, record and acknowledge it.
     async fn land(&mut self, flight: Flight) -> Result<(), Error> {
-        let items = self.confirmed(flight).await?;
+        let items = self.confirmed(flight).await;
         self.settle(items).await
     }
 
-    /// A step's items once its confirms are in and what it keeps is moved to the tail.
-    async fn confirmed(&mut self, flight: Flight) -> Result<Vec<Item>, Error> {
+    /// A step's items once its confirms are in.
+    async fn confirmed(&mut self, flight: Flight) -> Vec<Item> {
         let Flight {
             mut items,
             confirms,
             sent,
         } = flight;
         self.resolve(&mut items, confirms, sent).await;
-        self.keep(&mut items).await?;
-        Ok(items)
+        items
     }
 
     /// After a failure, land every step still in flight, in order: what was confirmed is
@@ -485,14 +492,6 @@ impl<'a> Drain<'a> {
     /// the echo of a connection that went away).
     pub(super) fn connected(&self, src_conn: &Connection) -> bool {
         src_conn.status().connected() && self.publisher.connection().status().connected()
-    }
-
-    fn is_held_back(&self, props: &lapin::BasicProperties) -> bool {
-        !self.held_back.is_empty()
-            && self.held_back.contains(&classify::signature(
-                &self.replay.spec.canary.signature_header,
-                props,
-            ))
     }
 
     fn limit_reached(&self) -> bool {
@@ -562,14 +561,21 @@ impl<'a> Drain<'a> {
                     None,
                 ),
                 Verdict::Poison(r) => (Act::Quarantine(r), None),
-                Verdict::Replay { .. } if self.is_held_back(props) => (
-                    Act::Skip {
-                        reason: "held back: the canary of its signature did not pass".into(),
-                        returned: false,
-                    },
-                    None,
-                ),
-                Verdict::Replay { key, destination } => (Act::Replay(destination), key),
+                Verdict::Replay { key, destination } => match hold(
+                    &self.proven,
+                    &mut self.unproven,
+                    &self.replay.spec.canary.signature_header,
+                    props,
+                ) {
+                    Some(reason) => (
+                        Act::Skip {
+                            reason,
+                            returned: false,
+                        },
+                        None,
+                    ),
+                    None => (Act::Replay(destination), key),
+                },
             };
             if !matches!(act, Act::Skip { .. }) {
                 self.selected += 1;
@@ -604,7 +610,15 @@ impl<'a> Drain<'a> {
             }
         }
         let mut status = self.status.clone();
-        let summary = summary(&status.counts);
+        let mut summary = summary(&status.counts);
+        if !self.unproven.is_empty() {
+            let held: u64 = self.unproven.values().sum();
+            let sigs: Vec<&str> = self.unproven.keys().map(String::as_str).collect();
+            summary.push_str(&format!(
+                "; {held} held back because no canary proved their signature ({}): they arrived after the canaries were chosen and stay in the queue for a new replay to canary",
+                sigs.join(", ")
+            ));
+        }
         let (phase, message) = match end {
             // Past selector.limit the pass went on to its bound, skipping: a message that stays
             // is moved like any skipped one, so the DLQ keeps its order.
@@ -629,4 +643,24 @@ impl<'a> Drain<'a> {
         }
         status
     }
+}
+
+/// Why a replayable message stays in the queue (its signature's canary did not pass, or none
+/// met it), counting the unproven ones in `unproven` for the end message.
+fn hold(
+    proven: &proven::Proven,
+    unproven: &mut std::collections::BTreeMap<String, u64>,
+    signature_header: &str,
+    props: &lapin::BasicProperties,
+) -> Option<String> {
+    if let proven::Proven::All = proven {
+        return None;
+    }
+    let sig = classify::signature(signature_header, props);
+    let hold = proven.hold(&sig)?;
+    let reason = hold.reason(&sig);
+    if hold == proven::Hold::Unproven {
+        *unproven.entry(sig).or_default() += 1;
+    }
+    Some(reason)
 }

@@ -35,57 +35,92 @@ impl Record {
     }
 }
 
-impl Drain<'_> {
-    /// Leave what the step does not take (skipped, held back, failed) in the queue: moved to
-    /// the tail, behind the pass's bound (see [`keep`]).
-    pub(super) async fn keep(&mut self, items: &mut [Item]) -> Result<(), Error> {
-        // A step with an unconfirmed publish ends the pass: its messages go back to the queue
-        // when the channel closes, and the next pass decides them again.
-        if items.iter().any(|it| matches!(it.act, Act::Unknown(_))) {
-            return Ok(());
-        }
-        let Some((mover, ledger)) = self.keeper.as_mut() else {
-            return Ok(());
-        };
-        let idx: Vec<usize> = (0..items.len())
-            .filter(|&i| matches!(items[i].act, Act::Skip { .. } | Act::Failed(_)))
-            .collect();
-        if idx.is_empty() {
-            return Ok(());
-        }
-        let digests: Vec<String> = idx
-            .iter()
-            .map(|&i| {
-                let it = &mut items[i];
-                it.digest
-                    .get_or_insert_with(|| keep::digest(&it.delivery.properties, &it.delivery.data))
-                    .clone()
-            })
-            .collect();
-        ledger.intend(&digests).await?;
-        let msgs: Vec<_> = idx
-            .iter()
-            .map(|&i| {
-                (
-                    &items[i].delivery.properties,
-                    items[i].delivery.data.as_slice(),
-                )
-            })
-            .collect();
-        let moved = mover.copy(&msgs).await?;
-        for (&i, m) in idx.iter().zip(moved) {
+/// Leave what a landing step does not take (skipped, held back, failed) in the queue: moved to
+/// the tail, behind the pass's bound (see [`keep`]), in step order, so the queue keeps its
+/// order. Returns each moved item's index, digest and outcome. It needs nothing the step's
+/// commit writes, so a landing runs it beside the commit and the next step's lookups
+/// ([`Drain::settle_and_admit`]): one after the other, a held-back message every hundred slowed
+/// the whole drain by 14 % (bench/RESULTS.md, canary section).
+pub(super) async fn keep_moves(
+    keeper: Option<&mut (keep::Mover, keep::Ledger)>,
+    items: &[Item],
+) -> Result<Vec<(usize, String, keep::Moved)>, Error> {
+    // A step with an unconfirmed publish ends the pass: its messages go back to the queue
+    // when the channel closes, and the next pass decides them again.
+    if items.iter().any(|it| matches!(it.act, Act::Unknown(_))) {
+        return Ok(Vec::new());
+    }
+    let Some((mover, ledger)) = keeper else {
+        return Ok(Vec::new());
+    };
+    let idx: Vec<usize> = (0..items.len())
+        .filter(|&i| matches!(items[i].act, Act::Skip { .. } | Act::Failed(_)))
+        .collect();
+    if idx.is_empty() {
+        return Ok(Vec::new());
+    }
+    let digests: Vec<String> = idx
+        .iter()
+        .map(|&i| {
+            let it = &items[i];
+            it.digest
+                .clone()
+                .unwrap_or_else(|| keep::digest(&it.delivery.properties, &it.delivery.data))
+        })
+        .collect();
+    // Counted before the copy exists: a crash in between leaves a count and no copy, never a
+    // copy nobody counted (see keep::Ledger).
+    ledger.intend(&digests).await?;
+    let msgs: Vec<_> = idx
+        .iter()
+        .map(|&i| {
+            (
+                &items[i].delivery.properties,
+                items[i].delivery.data.as_slice(),
+            )
+        })
+        .collect();
+    let moved = mover.copy(&msgs).await?;
+    Ok(idx
+        .into_iter()
+        .zip(digests)
+        .zip(moved)
+        .map(|((i, d), m)| (i, d, m))
+        .collect())
+}
+
+impl Record {
+    /// Add the step's moves: a kept message is acked once its copy is at the tail; a refused
+    /// copy means no copy exists, so its ledger count comes back (the original stays unacked).
+    pub(super) fn moved(&mut self, items: &mut [Item], moves: Vec<(usize, String, keep::Moved)>) {
+        for (i, digest, m) in moves {
+            match m {
+                keep::Moved::Copied => {
+                    self.acks.push(items[i].delivery.delivery_tag);
+                    self.moved_digests.push(digest.clone());
+                }
+                keep::Moved::Refused => self.refused.push(digest.clone()),
+                // A copy may exist: the ledger keeps counting it.
+                keep::Moved::Unknown => {}
+            }
+            items[i].digest = Some(digest);
             items[i].moved = Some(m);
         }
-        Ok(())
+        self.acks.sort_unstable();
     }
+}
 
-    /// Record the step (audit rows, settled marks, counts) atomically, then ack what is settled
-    /// or moved, and once the broker has processed those acks, take the moves' ledger counts
-    /// back.
-    pub(super) async fn settle(&mut self, items: Vec<Item>) -> Result<(), Error> {
-        let record = self.record(&items);
+impl Drain<'_> {
+    /// Move what the step does not take (skipped, held back, failed), then record the step
+    /// (audit rows, settled marks, counts) atomically, then ack what is settled or moved, and
+    /// once the broker has processed those acks, take the moves' ledger counts back.
+    pub(super) async fn settle(&mut self, mut items: Vec<Item>) -> Result<(), Error> {
+        let moves = keep_moves(self.keeper.as_mut(), &items).await;
+        let mut record = self.record(&items);
+        let moved = moves.map(|m| record.moved(&mut items, m));
         let answer = record.commit(&mut self.store).await;
-        self.recorded(record, answer).await
+        // A failed move leaves its messages unacked; the rest is recorded and acked.
+        self.recorded(record, answer).await.and(moved)
     }
 
     /// What a step's landing writes and acks, from its items' outcomes.
@@ -95,8 +130,6 @@ impl Drain<'_> {
         let mut claims = Vec::new();
         let mut delta = Counts::default();
         let mut acks = Vec::new();
-        let mut refused = Vec::new();
-        let mut moved_digests = Vec::new();
         let mut unknown = 0u32;
         let mut unknown_why = String::new();
         // Unconfirmed publishes end the pass after this step (and the steps in flight).
@@ -104,21 +137,9 @@ impl Drain<'_> {
         let ending = self.ending;
         let time = now();
         let claiming = self.claiming();
+        // Kept messages (skipped, failed) are acked by their moves ([`Record::moved`]), never
+        // here.
         for item in items {
-            // A kept message is acked once its copy is at the tail; a refused copy means no
-            // copy exists, so its ledger count comes back (the original stays unacked).
-            let moved = match item.moved {
-                Some(keep::Moved::Copied) => {
-                    acks.push(item.delivery.delivery_tag);
-                    moved_digests.extend(item.digest.clone());
-                    true
-                }
-                Some(keep::Moved::Refused) => {
-                    refused.extend(item.digest.clone());
-                    false
-                }
-                _ => false,
-            };
             let (decision, reason, destination) = match &item.act {
                 Act::AlreadySettled => {
                     acks.push(item.delivery.delivery_tag);
@@ -203,9 +224,7 @@ impl Drain<'_> {
                         settled.push((format!("key:{k}"), item.identity.clone()));
                     }
                 }
-                if !moved {
-                    acks.push(item.delivery.delivery_tag);
-                }
+                acks.push(item.delivery.delivery_tag);
             }
             rows.push(AuditRow {
                 id: String::new(),
@@ -227,8 +246,8 @@ impl Drain<'_> {
             claims,
             delta,
             acks,
-            refused,
-            moved_digests,
+            refused: Vec::new(),
+            moved_digests: Vec::new(),
             unknown,
             unknown_why,
         }
