@@ -52,6 +52,9 @@ struct Extras {
     canary_wait: Option<u64>,
     /// Unrelated dead letters per second arriving into the DLQ during the run.
     arrivals: Option<u32>,
+    /// A consumer on the target queue timestamps every arrival (always with a rate or a
+    /// canary, which needs a consumer there).
+    clock: bool,
 }
 
 /// A failing service's dead letters arriving into the DLQ while a replay runs: jobs published
@@ -454,6 +457,8 @@ async fn canary_section(b: &mut Bench, n: usize, reps: usize) {
             let extras = Extras {
                 canary_wait: canary,
                 arrivals: (per_s > 0).then_some(per_s),
+                // Off as on: the same consumer on the target, so the drains compare.
+                clock: true,
                 ..Default::default()
             };
             let (run, arrivals) = b.replay(&base, &scenario, n, "Check", extras).await;
@@ -800,7 +805,7 @@ impl Bench {
 
         // With a rate or a canary: a consumer on the target queue (the recovered worker the
         // canary needs) timestamps every arrival.
-        let clocked = rate.is_some() || extras.canary_wait.is_some() || extras.arrivals.is_some();
+        let clocked = extras.clock || rate.is_some() || extras.canary_wait.is_some();
         let arrivals = if clocked {
             Some(self.arrival_clock(s, &topo.work, n - done).await)
         } else {
