@@ -33,7 +33,10 @@ lint:
 # BENCH_RUN_ARGS adds arguments to `dlq-replay run`, e.g. "--window 128"). Throughput runs per
 # queue type and broker, each against its own Shovel: BENCH_QUEUES=classic,quorum (the default)
 # on RabbitMQ 3.10; BENCH_BROKERS=3.10,4 (default: 3.10, plus the quorum rows on RabbitMQ 4 at
-# AMQP4_URL, default 127.0.0.1:5673, when `.ci/rabbitmq4` has it up). Output: bench/RESULTS.md.
+# AMQP4_URL, default 127.0.0.1:5673, when `.ci/rabbitmq4` has it up). Then the canary section:
+# BENCH_CANARY_N=100000 messages drained with the canary off and on (BENCH_CANARY_REPS=2 each,
+# BENCH_CANARY_WAIT=5 s) while BENCH_CANARY_ARRIVALS=20 unrelated dead letters a second arrive.
+# BENCH_SECTIONS=throughput,rate,memory,canary picks the parts. Output: bench/RESULTS.md.
 bench: services
 	$(CARGO) build --release --quiet
 	$(CARGO) run --release --quiet --example bench
