@@ -263,23 +263,24 @@ impl Mover {
                 "the channel moving kept messages to the tail closed".into(),
             ));
         }
-        let mut confirms = Vec::with_capacity(messages.len());
-        for (props, body) in messages {
-            let sent = self
-                .channel
-                .basic_publish(
-                    "".into(),
-                    self.queue.as_str().into(),
-                    BasicPublishOptions {
-                        mandatory: true,
-                        ..Default::default()
-                    },
-                    body,
-                    publish::as_user(copy_properties(props), &self.user),
-                )
-                .await;
-            confirms.push(sent);
-        }
+        // Each publish is queued, in order, when first polled; the futures then wait together
+        // for the connection to write them (awaited one by one, every copy cost a wake-up of
+        // the connection's I/O thread and back).
+        let channel = &self.channel;
+        let (queue, user) = (self.queue.as_str(), self.user.as_str());
+        let confirms = futures::future::join_all(messages.iter().map(|(props, body)| {
+            channel.basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..Default::default()
+                },
+                body,
+                publish::as_user(copy_properties(props), user),
+            )
+        }))
+        .await;
         let mut out = Vec::with_capacity(confirms.len());
         for sent in confirms {
             out.push(match sent {

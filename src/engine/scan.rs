@@ -166,12 +166,11 @@ impl Scan {
             .collect();
         let moved = self.mover.copy(&msgs).await?;
         let mut done = Vec::new();
+        let mut acks = Vec::new();
         for ((d, digest), m) in keep.iter().zip(digests).zip(moved) {
             match m {
                 Moved::Copied => {
-                    self.ch
-                        .basic_ack(d.delivery_tag, BasicAckOptions::default())
-                        .await?;
+                    acks.push(d.delivery_tag);
                     done.push(digest);
                 }
                 // No copy: the original goes back when the channel closes.
@@ -181,9 +180,17 @@ impl Scan {
             }
         }
         for (tag, digest) in leftovers {
-            self.ch.basic_ack(tag, BasicAckOptions::default()).await?;
+            acks.push(tag);
             done.push(digest);
         }
+        // Queued together, written together (see keep::Mover::copy). One by one: a held
+        // candidate (a canary) sits among them, so no `multiple` ack may cover them.
+        let ch = &self.ch;
+        futures::future::try_join_all(
+            acks.into_iter()
+                .map(|tag| ch.basic_ack(tag, BasicAckOptions::default())),
+        )
+        .await?;
         // The counts come back only once the queue has applied the acks. At the traversal's end
         // a wait would take a message past the bound (handed back, it would count a delivery
         // and, on RabbitMQ 3.10, move to the back): the last flush acks only the last message,

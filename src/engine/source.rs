@@ -244,11 +244,13 @@ impl Source {
                     .await?;
             }
         } else {
-            for tag in tags {
-                self.channel
-                    .basic_ack(*tag, BasicAckOptions::default())
-                    .await?;
-            }
+            // One frame each, queued together and written together.
+            let ch = &self.channel;
+            futures::future::try_join_all(
+                tags.iter()
+                    .map(|tag| ch.basic_ack(*tag, BasicAckOptions::default())),
+            )
+            .await?;
         }
         self.acked += tags.len() as u64;
         Ok(())
