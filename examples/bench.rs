@@ -1257,7 +1257,7 @@ async fn header(
         }
     );
     println!(
-        "replay command: {}{} run -f <manifest> --no-progress -o json{}  (REDIS_URL={}, manifest: spec.broker.url, idempotency key /id, canary: {{enabled: false}}, audit on)",
+        "replay command: {}{} run -f <manifest> --no-progress -o json{}  (REDIS_URL={}, manifest: spec.broker.url, idempotency key /id, canary: {{enabled: false}} except in the canary section, audit on)",
         if b.time_rss { "/usr/bin/time -f '%M %U %S' -o <file> " } else { "" },
         b.bin.display(),
         b.run_args.iter().map(|a| format!(" {a}")).collect::<String>(),
