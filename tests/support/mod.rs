@@ -563,6 +563,8 @@ impl World {
         for pattern in [
             format!("{}*", self.prefix),
             format!("dlq:*tests/{}*", self.tag),
+            // The engine's per-queue keys (`dlq:routes:<broker>/<queue>`, `dlq:moves:...`).
+            format!("dlq:*/{}.*", self.tag),
         ] {
             let keys: Vec<String> = redis::cmd("KEYS")
                 .arg(&pattern)
