@@ -970,6 +970,7 @@ mod tests {
             .query_async(&mut con)
             .await
             .unwrap();
+        cleanup(&mut s, &[]).await;
     }
 
     #[tokio::test]
