@@ -9,7 +9,7 @@
 //! dead-letter routes ([`Returns`]); where no route is known, an infrequent traversal of the
 //! watched queues (that moves, never hands back) looks for them instead.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use lapin::message::Delivery;
@@ -20,7 +20,6 @@ use crate::api::{CanaryResult, CanaryStatus, Counts, DlqReplaySpec, IdempotencyM
 use crate::engine::classify::{self, Destination, Rules, Verdict};
 use crate::engine::message;
 use crate::engine::now;
-use crate::engine::proven;
 use crate::engine::publish::{self, Publisher};
 use crate::engine::scan::Scan;
 use crate::engine::source;
@@ -558,14 +557,5 @@ impl Watch {
             self.baselines.insert(q, now);
         }
         Ok(())
-    }
-
-    /// Signatures whose canary did not pass: their messages stay in the queue.
-    pub fn held_back(&self) -> HashSet<String> {
-        self.canaries
-            .iter()
-            .filter(|c| !proven::passed(c.result))
-            .map(|c| c.signature.clone())
-            .collect()
     }
 }

@@ -566,8 +566,8 @@ async fn canary_phase(
     status.canary = watch.canaries.clone();
     let json = serde_json::to_string(&status.canary).map_err(|e| Error::Redis(e.to_string()))?;
     store.save_canary(&json).await?;
-    let held = watch.held_back();
-    if held.len() == watch.canaries.len() {
+    let proven = proven::Proven::of(&watch.canaries);
+    if proven.none_passed() {
         let why: Vec<String> = watch
             .canaries
             .iter()
@@ -580,7 +580,7 @@ async fn canary_phase(
         ));
         return Ok(CanaryEnd::Stop);
     }
-    Ok(CanaryEnd::Drain(proven::Proven::of(&watch.canaries)))
+    Ok(CanaryEnd::Drain(proven))
 }
 
 async fn declare_quarantine(conn: &Connection, queue: &str) -> Result<(), Error> {

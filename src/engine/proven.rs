@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use crate::api::{CanaryResult, CanaryStatus};
 
 /// Whether a canary's result lets its signature be drained.
-pub fn passed(result: CanaryResult) -> bool {
+fn passed(result: CanaryResult) -> bool {
     matches!(result, CanaryResult::Passed | CanaryResult::Confirmed)
 }
 
@@ -37,6 +37,11 @@ impl Proven {
             passed: names(ok),
             failed: names(not),
         }
+    }
+
+    /// Canaries ran and none passed: nothing is to be drained.
+    pub fn none_passed(&self) -> bool {
+        matches!(self, Self::Only { passed, .. } if passed.is_empty())
     }
 
     /// Whether a message of `signature` is held back, and why; `None` when it may be replayed.
@@ -101,6 +106,9 @@ mod tests {
         assert_eq!(p.hold("c"), Some(Hold::Failed));
         assert_eq!(p.hold("d"), Some(Hold::Failed));
         assert_eq!(p.hold("e"), Some(Hold::Unproven));
+        assert!(!p.none_passed());
+        assert!(Proven::of(&[canary("c", CanaryResult::DiedAgain)]).none_passed());
+        assert!(!Proven::of(&[]).none_passed());
         assert!(Hold::Unproven
             .reason("e")
             .contains("no canary proved its signature \"e\""));

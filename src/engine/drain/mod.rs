@@ -68,8 +68,6 @@ pub(super) struct Item {
     delivery: Delivery,
     /// The move ledger's digest, computed when needed (a kept or a leftover message).
     digest: Option<String>,
-    /// Whether a kept message's copy is at the tail.
-    moved: Option<keep::Moved>,
     /// What audit rows call the message (message id or body hash).
     identity: String,
     /// What the settled marks call it: a hash of message id and body.
@@ -383,7 +381,6 @@ impl<'a> Drain<'a> {
         items: Vec<Item>,
         deliveries: Vec<Delivery>,
     ) -> (Result<(), Error>, Result<Flight, (Option<Flight>, Error)>) {
-        let mut items = items;
         let mut record = self.record(&items);
         let next = self.classify(deliveries);
         let mut keeper = self.keeper.take();
@@ -394,7 +391,7 @@ impl<'a> Drain<'a> {
         self.keeper = keeper;
         // A failed move leaves its messages unacked (back in the queue with the channel); the
         // rest of the step is recorded and acked as usual, and the pass ends.
-        let moved = moves.map(|m| record.moved(&mut items, m));
+        let moved = moves.map(|m| record.moved(&items, m));
         let landed = self.recorded(record, answer).await.and(moved);
         (landed, admitted)
     }
@@ -554,7 +551,6 @@ impl<'a> Drain<'a> {
                     identity,
                     fingerprint,
                     digest: Some(d),
-                    moved: None,
                     key: None,
                     act: Act::Leftover,
                 });
@@ -606,7 +602,6 @@ impl<'a> Drain<'a> {
                 identity,
                 fingerprint,
                 digest,
-                moved: None,
                 key,
                 act,
             });

@@ -38,9 +38,7 @@ impl Record {
 /// Leave what a landing step does not take (skipped, held back, failed) in the queue: moved to
 /// the tail, behind the pass's bound (see [`keep`]), in step order, so the queue keeps its
 /// order. Returns each moved item's index, digest and outcome. It needs nothing the step's
-/// commit writes, so a landing runs it beside the commit and the next step's lookups
-/// ([`Drain::settle_and_admit`]): one after the other, a held-back message every hundred slowed
-/// the whole drain by 14 % (bench/RESULTS.md, canary section).
+/// commit writes, so a landing runs it beside the commit ([`Drain::settle_and_admit`]).
 pub(super) async fn keep_moves(
     keeper: Option<&mut (keep::Mover, keep::Ledger)>,
     items: &[Item],
@@ -92,19 +90,17 @@ pub(super) async fn keep_moves(
 impl Record {
     /// Add the step's moves: a kept message is acked once its copy is at the tail; a refused
     /// copy means no copy exists, so its ledger count comes back (the original stays unacked).
-    pub(super) fn moved(&mut self, items: &mut [Item], moves: Vec<(usize, String, keep::Moved)>) {
+    pub(super) fn moved(&mut self, items: &[Item], moves: Vec<(usize, String, keep::Moved)>) {
         for (i, digest, m) in moves {
             match m {
                 keep::Moved::Copied => {
                     self.acks.push(items[i].delivery.delivery_tag);
-                    self.moved_digests.push(digest.clone());
+                    self.moved_digests.push(digest);
                 }
-                keep::Moved::Refused => self.refused.push(digest.clone()),
+                keep::Moved::Refused => self.refused.push(digest),
                 // A copy may exist: the ledger keeps counting it.
                 keep::Moved::Unknown => {}
             }
-            items[i].digest = Some(digest);
-            items[i].moved = Some(m);
         }
         self.acks.sort_unstable();
     }
@@ -114,10 +110,10 @@ impl Drain<'_> {
     /// Move what the step does not take (skipped, held back, failed), then record the step
     /// (audit rows, settled marks, counts) atomically, then ack what is settled or moved, and
     /// once the broker has processed those acks, take the moves' ledger counts back.
-    pub(super) async fn settle(&mut self, mut items: Vec<Item>) -> Result<(), Error> {
+    pub(super) async fn settle(&mut self, items: Vec<Item>) -> Result<(), Error> {
         let moves = keep_moves(self.keeper.as_mut(), &items).await;
         let mut record = self.record(&items);
-        let moved = moves.map(|m| record.moved(&mut items, m));
+        let moved = moves.map(|m| record.moved(&items, m));
         let answer = record.commit(&mut self.store).await;
         // A failed move leaves its messages unacked; the rest is recorded and acked.
         self.recorded(record, answer).await.and(moved)
