@@ -31,7 +31,7 @@ use std::collections::{HashMap, HashSet};
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::FieldTable;
-use lapin::{BasicProperties, Channel, Connection};
+use lapin::{BasicProperties, Channel, Connection, PublisherConfirm};
 use redis::aio::ConnectionManager;
 use sha2::{Digest, Sha256};
 
@@ -253,6 +253,16 @@ impl Mover {
         &mut self,
         messages: &[(&BasicProperties, &[u8])],
     ) -> Result<Vec<Moved>, Error> {
+        let sent = self.send(messages).await?;
+        Ok(futures::future::join_all(sent.into_iter().map(Copy::moved)).await)
+    }
+
+    /// Publish a copy of each message to the queue's tail; the confirms are not awaited (see
+    /// [`Copy::moved`]). The caller has counted their digests in the ledger.
+    pub async fn send(
+        &mut self,
+        messages: &[(&BasicProperties, &[u8])],
+    ) -> Result<Vec<Copy>, Error> {
         if messages.is_empty() {
             return Ok(Vec::new());
         }
@@ -268,7 +278,7 @@ impl Mover {
         // the connection's I/O thread and back).
         let channel = &self.channel;
         let (queue, user) = (self.queue.as_str(), self.user.as_str());
-        let confirms = futures::future::join_all(messages.iter().map(|(props, body)| {
+        let sent = futures::future::join_all(messages.iter().map(|(props, body)| {
             channel.basic_publish(
                 "".into(),
                 queue.into(),
@@ -281,23 +291,33 @@ impl Mover {
             )
         }))
         .await;
-        let mut out = Vec::with_capacity(confirms.len());
-        for sent in confirms {
-            out.push(match sent {
-                Ok(confirm) => {
-                    let res = confirm.await;
-                    let unconfirmed = res.is_err();
-                    match publish::outcome(res) {
-                        Ok(()) => Moved::Copied,
-                        Err(_) if unconfirmed => Moved::Unknown,
-                        Err(_) => Moved::Refused,
-                    }
-                }
+        Ok(sent
+            .into_iter()
+            .map(|s| match s {
+                Ok(confirm) => Copy(Some(confirm)),
                 // Refused before it left: no copy exists.
-                Err(_) => Moved::Refused,
-            });
+                Err(_) => Copy(None),
+            })
+            .collect())
+    }
+}
+
+/// A copy on its way to the tail: its confirm, or `None` when it was refused before it left.
+pub struct Copy(Option<PublisherConfirm>);
+
+impl Copy {
+    /// What became of the message, once the broker has answered for its copy.
+    pub async fn moved(self) -> Moved {
+        let Some(confirm) = self.0 else {
+            return Moved::Refused;
+        };
+        let res = confirm.await;
+        let unconfirmed = res.is_err();
+        match publish::outcome(res) {
+            Ok(()) => Moved::Copied,
+            Err(_) if unconfirmed => Moved::Unknown,
+            Err(_) => Moved::Refused,
         }
-        Ok(out)
     }
 }
 

@@ -11,6 +11,7 @@
 //! ack, so that a quorum queue has applied those acks before the pass closes its channel (see
 //! [`get_one`]).
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use futures::{FutureExt, StreamExt};
@@ -99,9 +100,10 @@ pub struct Source {
     acked: u64,
     /// The consumer was cancelled (its last deliveries may still be buffered).
     cancelled: bool,
-    /// Deliveries left unacked (an outcome unknown, a copy refused): no multiple ack may
-    /// cover them.
-    left: u64,
+    /// Deliveries not acked with their step: left for good (an outcome unknown, a copy
+    /// refused) or until their copy is confirmed at the tail (see [`Source::ack_held`]). No
+    /// multiple ack may cover them.
+    held: BTreeSet<u64>,
 }
 
 impl Source {
@@ -126,7 +128,7 @@ impl Source {
             delivered: 0,
             acked: 0,
             cancelled: false,
-            left: 0,
+            held: BTreeSet::new(),
         };
         if prefetch > 0 {
             // Per consumer (global: false): the only kind quorum queues accept.
@@ -229,30 +231,43 @@ impl Source {
         Ok(())
     }
 
-    /// Acknowledge settled messages; `all` when every delivery of the batch is among them.
-    /// Deliveries are decided in order, so when nothing was ever left unacked one `multiple`
-    /// ack covers the batch: one frame, not one per message.
-    pub async fn ack(&mut self, tags: &[u64], all: bool, batch_len: usize) -> Result<(), Error> {
+    /// Acknowledge a step's settled messages (`tags`); `held` are the step's deliveries not
+    /// acked now. Deliveries are decided in order, so the tags below every held one are acked
+    /// with one `multiple` ack (one frame, not one per message); the rest one by one.
+    pub async fn ack(&mut self, tags: &[u64], held: &[u64]) -> Result<(), Error> {
         self.before_ack(tags.len() as u64).await?;
-        if !all {
-            self.left += (batch_len - tags.len()) as u64;
+        self.held.extend(held);
+        let floor = self.held.first().copied().unwrap_or(u64::MAX);
+        let (below, above): (Vec<u64>, Vec<u64>) = tags.iter().partition(|&&t| t < floor);
+        if let Some(last) = below.iter().max() {
+            self.channel
+                .basic_ack(*last, BasicAckOptions { multiple: true })
+                .await?;
         }
-        if self.left == 0 {
-            if let Some(last) = tags.iter().max() {
-                self.channel
-                    .basic_ack(*last, BasicAckOptions { multiple: true })
-                    .await?;
-            }
-        } else {
-            // One frame each, queued together and written together.
-            let ch = &self.channel;
-            futures::future::try_join_all(
-                tags.iter()
-                    .map(|tag| ch.basic_ack(*tag, BasicAckOptions::default())),
-            )
-            .await?;
-        }
+        self.ack_each(&above).await?;
         self.acked += tags.len() as u64;
+        Ok(())
+    }
+
+    /// Acknowledge held deliveries (see [`Source::ack`]) once their outcome is durable.
+    pub async fn ack_held(&mut self, tags: &[u64]) -> Result<(), Error> {
+        self.before_ack(tags.len() as u64).await?;
+        for t in tags {
+            self.held.remove(t);
+        }
+        self.ack_each(tags).await?;
+        self.acked += tags.len() as u64;
+        Ok(())
+    }
+
+    /// One frame each, queued together and written together.
+    async fn ack_each(&self, tags: &[u64]) -> Result<(), Error> {
+        let ch = &self.channel;
+        futures::future::try_join_all(
+            tags.iter()
+                .map(|tag| ch.basic_ack(*tag, BasicAckOptions::default())),
+        )
+        .await?;
         Ok(())
     }
 

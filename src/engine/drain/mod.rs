@@ -7,7 +7,9 @@
 //! settled marks, claims marked published or released, counts) and the acks. Several steps are in
 //! flight at once, so the broker works on the next step's publishes while the previous one's
 //! confirms come back and are recorded. Steps land strictly in order: commits and acks never
-//! overtake, and no message is acked before its outcome is durable.
+//! overtake, and no message is acked before its outcome is durable. A kept message's copy is
+//! the one outcome a landing does not wait for: its original is acked at a later landing, once
+//! the copy is confirmed ([`Drain::pend`]).
 //!
 //! The window (`Options::window`) bounds the messages between gate and settle: claimed or
 //! published, not yet recorded. It is what a crash (kill -9) can leave unknown: in Claim mode
@@ -98,6 +100,11 @@ fn unsent(mut items: Vec<Item>) -> Flight {
     }
 }
 
+/// A move whose copy is on its way: its original's delivery tag and digest, then what became of
+/// the copy. `Sync`, as the drain is shared by reference across awaits in a spawned task.
+type PendingMove =
+    std::pin::Pin<Box<dyn std::future::Future<Output = (u64, String, keep::Moved)> + Send + Sync>>;
+
 /// A step between its send and its landing: the items, and the confirms of what it published.
 struct Flight {
     items: Vec<Item>,
@@ -155,8 +162,11 @@ pub(super) struct Drain<'a> {
     /// Digests of the messages this pass moved, but for the latest step's: their ledger counts
     /// come back when the pass has taken its last message (see `finish`).
     moved: Vec<String>,
-    /// The latest step's, whose acks nothing after them waits for.
+    /// The latest landing's, whose acks nothing after them waits for.
     last_moved: Vec<String>,
+    /// Moves whose copies are not confirmed yet: the original's delivery tag and digest, and
+    /// what became of the copy (see [`Drain::pend`]).
+    pending: futures::stream::FuturesUnordered<PendingMove>,
     /// The replay's stop, for the waits inside a step (the rate limiter).
     pub(super) cancel: CancellationToken,
 }
@@ -201,6 +211,7 @@ impl<'a> Drain<'a> {
             returns: None,
             moved: Vec::new(),
             last_moved: Vec::new(),
+            pending: Default::default(),
             cancel: CancellationToken::new(),
         }
     }
@@ -219,8 +230,8 @@ impl<'a> Drain<'a> {
         let end = loop {
             let busy = flights.iter().map(Flight::len).sum();
             if let Some(more) = self.room(busy, false, cancel) {
-                // Never wait for deliveries while a step's confirms may be ready to land.
-                let wait = if flights.is_empty() {
+                // Never wait for deliveries while a step's confirms (or a move's) may be ready.
+                let wait = if flights.is_empty() && self.pending.is_empty() {
                     opts.idle
                 } else {
                     Duration::ZERO
@@ -243,7 +254,7 @@ impl<'a> Drain<'a> {
                     }
                     continue;
                 }
-                if flights.is_empty() {
+                if flights.is_empty() && self.pending.is_empty() {
                     match self.queue_is_empty().await {
                         Ok(true) => break End::Drained,
                         Ok(false) if stalled >= opts.stall => {
@@ -259,6 +270,14 @@ impl<'a> Drain<'a> {
                 }
             }
             let Some(flight) = flights.pop_front() else {
+                // Nothing in flight but moves: their originals' acks come before the pass's
+                // last message (see `room`) and before it ends.
+                if !self.pending.is_empty() {
+                    if let Err(e) = self.ack_moved(true).await {
+                        break End::Error(e);
+                    }
+                    continue;
+                }
                 break if cancel.is_cancelled() {
                     End::Cancelled
                 } else {
@@ -319,7 +338,7 @@ impl<'a> Drain<'a> {
         if cancel.is_cancelled() || self.seen >= self.bound || self.source.is_none() {
             return None;
         }
-        let in_flight = landing || busy > 0;
+        let in_flight = landing || busy > 0 || !self.pending.is_empty();
         let free = self.window.saturating_sub(busy);
         let last = self.source.as_ref().is_some_and(Source::at_last);
         // While a step is in flight, admit only a whole step, and never the pass's last message.
@@ -381,7 +400,7 @@ impl<'a> Drain<'a> {
         items: Vec<Item>,
         deliveries: Vec<Delivery>,
     ) -> (Result<(), Error>, Result<Flight, (Option<Flight>, Error)>) {
-        let mut record = self.record(&items);
+        let record = self.record(&items);
         let next = self.classify(deliveries);
         let mut keeper = self.keeper.take();
         let (moves, (answer, admitted)) = tokio::join!(
@@ -391,7 +410,7 @@ impl<'a> Drain<'a> {
         self.keeper = keeper;
         // A failed move leaves its messages unacked (back in the queue with the channel); the
         // rest of the step is recorded and acked as usual, and the pass ends.
-        let moved = moves.map(|m| record.moved(&items, m));
+        let moved = moves.map(|m| self.pend(&items, m));
         let landed = self.recorded(record, answer).await.and(moved);
         (landed, admitted)
     }
@@ -457,6 +476,9 @@ impl<'a> Drain<'a> {
             if let Err(e) = self.land(flight).await {
                 tracing::debug!(error = %e, "landing a step after the pass ended");
             }
+        }
+        if let Err(e) = self.ack_moved(true).await {
+            tracing::debug!(error = %e, "acking moved messages after the pass ended");
         }
         self.forget_failed();
     }

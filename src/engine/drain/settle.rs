@@ -16,11 +16,8 @@ pub(super) struct Record {
     delta: Counts,
     /// Delivery tags to ack, in order.
     acks: Vec<u64>,
-    /// Deliveries in the step (all acked: one multiple ack may cover them).
-    len: usize,
-    /// Ledger counts to take back: copies refused (no copy exists).
-    refused: Vec<String>,
-    moved_digests: Vec<String>,
+    /// Every delivery tag of the step: those not acked now are held ([`Source::ack`]).
+    tags: Vec<u64>,
     unknown: u32,
     unknown_why: String,
 }
@@ -37,12 +34,13 @@ impl Record {
 
 /// Leave what a landing step does not take (skipped, held back, failed) in the queue: moved to
 /// the tail, behind the pass's bound (see [`keep`]), in step order, so the queue keeps its
-/// order. Returns each moved item's index, digest and outcome. It needs nothing the step's
-/// commit writes, so a landing runs it beside the commit ([`Drain::settle_and_admit`]).
+/// order. Returns each moved item's index, digest and copy on its way; the originals are
+/// acked once their copies are confirmed ([`Drain::pend`]). It needs nothing the step's commit
+/// writes, so a landing runs it beside the commit ([`Drain::settle_and_admit`]).
 pub(super) async fn keep_moves(
     keeper: Option<&mut (keep::Mover, keep::Ledger)>,
     items: &[Item],
-) -> Result<Vec<(usize, String, keep::Moved)>, Error> {
+) -> Result<Vec<(usize, String, keep::Copy)>, Error> {
     // A step with an unconfirmed publish ends the pass: its messages go back to the queue
     // when the channel closes, and the next pass decides them again.
     if items.iter().any(|it| matches!(it.act, Act::Unknown(_))) {
@@ -78,7 +76,7 @@ pub(super) async fn keep_moves(
             )
         })
         .collect();
-    let moved = mover.copy(&msgs).await?;
+    let moved = mover.send(&msgs).await?;
     Ok(idx
         .into_iter()
         .zip(digests)
@@ -87,36 +85,78 @@ pub(super) async fn keep_moves(
         .collect())
 }
 
-impl Record {
-    /// Add the step's moves: a kept message is acked once its copy is at the tail; a refused
-    /// copy means no copy exists, so its ledger count comes back (the original stays unacked).
-    pub(super) fn moved(&mut self, items: &[Item], moves: Vec<(usize, String, keep::Moved)>) {
-        for (i, digest, m) in moves {
-            match m {
-                keep::Moved::Copied => {
-                    self.acks.push(items[i].delivery.delivery_tag);
-                    self.moved_digests.push(digest);
-                }
-                keep::Moved::Refused => self.refused.push(digest),
-                // A copy may exist: the ledger keeps counting it.
-                keep::Moved::Unknown => {}
-            }
-        }
-        self.acks.sort_unstable();
-    }
-}
-
 impl Drain<'_> {
     /// Move what the step does not take (skipped, held back, failed), then record the step
-    /// (audit rows, settled marks, counts) atomically, then ack what is settled or moved, and
-    /// once the broker has processed those acks, take the moves' ledger counts back.
+    /// (audit rows, settled marks, counts) atomically, then ack what is settled (the moved
+    /// originals once their copies are confirmed, see [`Drain::pend`]).
     pub(super) async fn settle(&mut self, items: Vec<Item>) -> Result<(), Error> {
         let moves = keep_moves(self.keeper.as_mut(), &items).await;
-        let mut record = self.record(&items);
-        let moved = moves.map(|m| record.moved(&items, m));
+        let record = self.record(&items);
+        let moved = moves.map(|m| self.pend(&items, m));
         let answer = record.commit(&mut self.store).await;
         // A failed move leaves its messages unacked; the rest is recorded and acked.
         self.recorded(record, answer).await.and(moved)
+    }
+
+    /// Hold the originals of a step's moves until their copies are confirmed: the step lands
+    /// without waiting for them. A copy into a queue nobody consumes is confirmed once the
+    /// broker has written it to disk, a few milliseconds that a landing waiting for them added
+    /// to the whole drain (bench/RESULTS.md, canary section). Their acks follow at a later
+    /// landing ([`Drain::ack_moved`]); until then the original holds its place in the queue,
+    /// and a crash leaves both, which the move ledger settles.
+    pub(super) fn pend(&mut self, items: &[Item], moves: Vec<(usize, String, keep::Copy)>) {
+        for (i, digest, copy) in moves {
+            let tag = items[i].delivery.delivery_tag;
+            self.pending
+                .push(Box::pin(async move { (tag, digest, copy.moved().await) }));
+        }
+    }
+
+    /// Act on the moves whose copies the broker has answered for (all of them, waiting, when
+    /// `wait`): a confirmed copy's original is acked, and its ledger count comes back once the
+    /// queue has applied the ack (see `recorded`); a refused copy means no copy exists, so its
+    /// count comes back now and the original stays; an unconfirmed one may exist, so its count
+    /// stays, and so does the original.
+    pub(super) async fn ack_moved(&mut self, wait: bool) -> Result<(), Error> {
+        use futures::{FutureExt, StreamExt};
+        let mut done = Vec::new();
+        if wait {
+            while let Some(m) = self.pending.next().await {
+                done.push(m);
+            }
+        } else {
+            while let Some(Some(m)) = self.pending.next().now_or_never() {
+                done.push(m);
+            }
+        }
+        if done.is_empty() {
+            return Ok(());
+        }
+        let (mut copied, mut digests, mut refused) = (Vec::new(), Vec::new(), Vec::new());
+        for (tag, digest, moved) in done {
+            match moved {
+                keep::Moved::Copied => {
+                    copied.push(tag);
+                    digests.push(digest);
+                }
+                keep::Moved::Refused => refused.push(digest),
+                keep::Moved::Unknown => {}
+            }
+        }
+        if !copied.is_empty() {
+            let src = self
+                .source
+                .as_mut()
+                .ok_or_else(|| Error::Broker("source closed".into()))?;
+            src.ack_held(&copied).await?;
+            self.last_moved.extend(digests);
+        }
+        if !refused.is_empty() {
+            if let Some((_, ledger)) = self.keeper.as_mut() {
+                ledger.take_back(&refused).await?;
+            }
+        }
+        Ok(())
     }
 
     /// What a step's landing writes and acks, from its items' outcomes.
@@ -236,14 +276,12 @@ impl Drain<'_> {
         }
         acks.sort_unstable();
         Record {
-            len: items.len(),
+            tags: items.iter().map(|it| it.delivery.delivery_tag).collect(),
             rows,
             settled,
             claims,
             delta,
             acks,
-            refused: Vec::new(),
-            moved_digests: Vec::new(),
             unknown,
             unknown_why,
         }
@@ -260,13 +298,20 @@ impl Drain<'_> {
         record: Record,
         answer: Result<(u64, u64), Error>,
     ) -> Result<(), Error> {
-        let (records, again) = answer?;
+        let (records, again) = match answer {
+            Ok(a) => a,
+            Err(e) => {
+                // Not recorded, so not acked: no later step's multiple ack may cover it.
+                if let Some(src) = self.source.as_mut() {
+                    src.ack(&[], &record.tags).await?;
+                }
+                return Err(e);
+            }
+        };
         let Record {
-            len,
+            tags,
             delta,
             acks,
-            refused,
-            moved_digests,
             unknown,
             unknown_why,
             ..
@@ -282,22 +327,23 @@ impl Drain<'_> {
         if let Some(a) = self.status.audit.as_mut() {
             a.records = records;
         }
+        let held: Vec<u64> = tags
+            .into_iter()
+            .filter(|t| acks.binary_search(t).is_err())
+            .collect();
         let src = self
             .source
             .as_mut()
             .ok_or_else(|| Error::Broker("source closed".into()))?;
-        src.ack(&acks, acks.len() == len, len).await?;
-        // The moves' ledger counts come back once the queue has applied the acks (see
-        // source::get_one): the pass takes its last message with basic.get after every other
-        // ack, which makes sure of that for every step but the last; those are taken back when
-        // the pass closes, the last step's stay for the next traversal to settle.
-        let earlier = std::mem::replace(&mut self.last_moved, moved_digests);
+        src.ack(&acks, &held).await?;
+        // The moves' ledger counts come back once the queue has applied the originals' acks
+        // (see source::get_one): the pass takes its last message with basic.get after every
+        // other ack, which makes sure of that for every ack sent before the latest landing;
+        // those are taken back when the pass closes, the latest landing's stay for the next
+        // traversal to settle.
+        let earlier = std::mem::take(&mut self.last_moved);
         self.moved.extend(earlier);
-        if !refused.is_empty() {
-            if let Some((_, ledger)) = self.keeper.as_mut() {
-                ledger.take_back(&refused).await?;
-            }
-        }
+        self.ack_moved(false).await?;
         if unknown > 0 {
             // What was confirmed is recorded and acked; the unconfirmed wait for the next pass,
             // which finds their claims (or publishes them again in Check mode) like a rerun.
