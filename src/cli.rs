@@ -570,25 +570,41 @@ async fn plan(args: PlanArgs) -> Result<ExitCode, Error> {
     Ok(ExitCode::SUCCESS)
 }
 
-async fn audit(args: AuditArgs) -> Result<ExitCode, Error> {
-    let (redis_url, key) = match (&args.key, &args.file) {
-        (Some(k), _) => {
-            let url = args
-                .endpoints
-                .redis_url
-                .clone()
-                .ok_or_else(|| Error::Config("--key needs --redis-url or REDIS_URL".into()))?;
-            (url, k.clone())
-        }
-        (None, Some(f)) => {
+/// What `audit` and `report` read: the Redis named by the manifest (`-f`, with the replay it
+/// resolves to) or by `--redis-url` / `REDIS_URL` (`--key` alone).
+fn audit_source(
+    file: Option<&str>,
+    key: Option<&str>,
+    endpoints: &Endpoints,
+) -> Result<(String, Option<(DlqReplay, Replay)>), Error> {
+    match (file, key) {
+        (Some(f), _) => {
             let resource = manifest::load(f)?;
+            // The broker is not contacted: any URL satisfies the manifest's broker check.
             let endpoints = Endpoints {
                 amqp_url: Some("amqp://unused".into()),
-                ..args.endpoints.clone()
+                ..endpoints.clone()
             };
             let replay = resolve(&resource, &endpoints)?;
-            let con = store::connect(&replay.redis_url).await?;
-            let state = store::Store::peek(con, &replay.namespace, &replay.name)
+            Ok((replay.redis_url.clone(), Some((resource, replay))))
+        }
+        (None, Some(_)) => endpoints
+            .redis_url
+            .clone()
+            .map(|url| (url, None))
+            .ok_or_else(|| Error::Config("--key needs --redis-url or REDIS_URL".into())),
+        (None, None) => Err(Error::Config("give -f MANIFEST or --key KEY".into())),
+    }
+}
+
+async fn audit(args: AuditArgs) -> Result<ExitCode, Error> {
+    let (redis_url, manifest) =
+        audit_source(args.file.as_deref(), args.key.as_deref(), &args.endpoints)?;
+    let key = match (&args.key, manifest) {
+        (Some(k), _) => k.clone(),
+        (None, Some((_, replay))) => {
+            let con = store::connect(&redis_url).await?;
+            let state = store::Store::peek(con, &replay.namespace, &replay.state_name())
                 .await?
                 .ok_or_else(|| {
                     Error::Config(format!(
@@ -596,8 +612,7 @@ async fn audit(args: AuditArgs) -> Result<ExitCode, Error> {
                         replay.namespace, replay.name
                     ))
                 })?;
-            let key = store::Keys::audit_of(&replay.namespace, &replay.name, &state.replay_id);
-            (replay.redis_url, key)
+            store::Keys::audit_of(&replay.namespace, &replay.state_name(), &state.replay_id)
         }
         (None, None) => return Err(Error::Config("give -f MANIFEST or --key KEY".into())),
     };
@@ -610,33 +625,21 @@ async fn audit(args: AuditArgs) -> Result<ExitCode, Error> {
 
 async fn report(args: ReportArgs) -> Result<ExitCode, Error> {
     use crate::report;
-    let (meta, redis_url) = match (&args.file, &args.key) {
-        (Some(f), _) => {
-            let resource = manifest::load(f)?;
-            let endpoints = Endpoints {
-                amqp_url: Some("amqp://unused".into()),
-                ..args.endpoints.clone()
-            };
-            let replay = resolve(&resource, &endpoints)?;
-            (report::load::meta_of(&resource), replay.redis_url)
-        }
+    let (redis_url, manifest) =
+        audit_source(args.file.as_deref(), args.key.as_deref(), &args.endpoints)?;
+    let meta = match (manifest, &args.key) {
+        (Some((resource, _)), _) => report::load::meta_of(&resource),
         (None, Some(k)) => {
             let (namespace, name) = report::load::names_of_key(k).ok_or_else(|| {
                 Error::Config(format!(
                     "--key {k:?}: not an audit key (dlq:audit:<namespace>/<name>/<replay id>)"
                 ))
             })?;
-            let url = args
-                .endpoints
-                .redis_url
-                .clone()
-                .ok_or_else(|| Error::Config("--key needs --redis-url or REDIS_URL".into()))?;
-            let meta = report::Meta {
+            report::Meta {
                 namespace,
                 name,
                 ..report::Meta::default()
-            };
-            (meta, url)
+            }
         }
         (None, None) => return Err(Error::Config("give -f MANIFEST or --key KEY".into())),
     };

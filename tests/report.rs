@@ -185,6 +185,42 @@ async fn a_real_replays_report_renders_in_a_real_browser() {
         "{md}"
     );
     assert!(md.contains(&canary_id) && md.contains("x-exception-type=TimeoutError"));
+    // `audit` finds the same trail from the manifest as from the key; a key without a Redis
+    // URL is refused by name.
+    let audit = |by: &[&std::ffi::OsStr]| {
+        let out = Command::new(BIN)
+            .args(["audit", "--format", "jsonl"])
+            .args(by)
+            .env_remove("REDIS_URL")
+            .output()
+            .expect("dlq-replay audit");
+        (out.status.success(), output_text(&out), out.stdout)
+    };
+    let (ok, text, by_manifest) = audit(&[
+        "-f".as_ref(),
+        manifest.as_os_str(),
+        "--redis-url".as_ref(),
+        REDIS.as_ref(),
+    ]);
+    assert!(ok, "{text}");
+    let (ok, text, by_key) = audit(&[
+        "--key".as_ref(),
+        key.as_ref(),
+        "--redis-url".as_ref(),
+        REDIS.as_ref(),
+    ]);
+    assert!(ok, "{text}");
+    assert_eq!(
+        String::from_utf8_lossy(&by_manifest).lines().count(),
+        c.scanned as usize,
+        "one row per decision"
+    );
+    assert_eq!(by_manifest, by_key);
+    let (ok, text, _) = audit(&["--key".as_ref(), key.as_ref()]);
+    assert!(
+        !ok && text.contains("--key needs --redis-url or REDIS_URL"),
+        "{text}"
+    );
 
     let Some(chrome) = chromium() else {
         let msg =
