@@ -359,6 +359,23 @@ async fn suspend_pauses_after_in_flight_settles_and_resume_finishes(c: &Cluster)
     .unwrap();
     let r = wait_for(&api, "sus", "Done", |r| phase(r) == Some(Phase::Done)).await;
     assert_eq!(r.status.unwrap().counts.replayed, 60);
+    // Suspending the ended replay changes nothing but is observed: its status is of the new
+    // generation (else kstatus reads it as in progress for ever), still Done and Ready.
+    api.patch(
+        "sus",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"suspend": true}})),
+    )
+    .await
+    .unwrap();
+    let r = wait_for(&api, "sus", "Done of generation 4", |r| {
+        r.metadata.generation == Some(4)
+            && r.status.as_ref().and_then(|s| s.observed_generation) == Some(4)
+    })
+    .await;
+    assert_eq!(phase(&r), Some(Phase::Done));
+    assert_eq!(condition(&r, "Ready").as_deref(), Some("True"));
+    assert_eq!(r.status.unwrap().counts.replayed, 60);
     assert_eq!(w.take(&w.topo.work).await.len(), 60);
     w.cleanup().await;
 }

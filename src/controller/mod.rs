@@ -372,6 +372,7 @@ async fn apply(obj: Arc<DlqReplay>, ctx: Arc<Context>) -> Result<Action, Error> 
         obj.spec.poison.max_quarantine_ratio,
     );
     if phase.is_some_and(Phase::is_terminal) {
+        observe_generation(&ctx, &obj).await?;
         return retry_if_asked(&ctx, &obj).await;
     }
     if obj.spec.suspend {
@@ -601,6 +602,23 @@ async fn cleanup(obj: Arc<DlqReplay>, ctx: Arc<Context>) -> Result<Action, Error
         &obj.name_any(),
     );
     Ok(Action::await_change())
+}
+
+/// An ended replay's spec may still change (`spec.suspend`, the one field that is not
+/// immutable): that changes nothing, but its status is written again for the new generation, so
+/// kstatus, Argo CD and `kubectl wait` do not read the replay as in progress for ever.
+async fn observe_generation(ctx: &Context, obj: &DlqReplay) -> Result<(), Error> {
+    let Some(status) = obj.status.as_ref() else {
+        return Ok(());
+    };
+    if status.observed_generation == obj.meta().generation {
+        return Ok(());
+    }
+    // One attempt, as in `set_pending`: a failure fails the reconcile, tried again in 5 s.
+    let once = CancellationToken::new();
+    once.cancel();
+    write_status(ctx, obj, status, &once).await?;
+    Ok(())
 }
 
 /// Write a waiting phase (Pending/Suspended) with its reason, only when it changed (a write
