@@ -102,8 +102,9 @@ pub struct Metrics {
     pub retries: Family<RetryLabel, Counter>,
     /// Whether this instance leads (drives replays).
     pub leader: Gauge,
-    /// Per replay (leader only): the Unix time this operator first saw the replay in its current
-    /// phase; one series per replay, labelled with that phase.
+    /// Per replay (leader only): the Unix time its current phase began, from its status
+    /// conditions (see [`crate::controller::status::phase_since`]); one series per replay,
+    /// labelled with that phase.
     pub replay_phase_since: Family<ReplayPhaseLabel, Gauge>,
     /// Per replay (leader only): `status.counts`, by field.
     pub replay_messages: Family<ReplayCountLabel, Counter>,
@@ -170,7 +171,7 @@ impl Metrics {
         let replay_max_quarantine_ratio = Family::<ReplayLabel, Gauge<f64, AtomicU64>>::default();
         registry.register(
             "replay_phase_since_seconds",
-            "Per replay: Unix time this operator first saw it in its current phase (label phase)",
+            "Per replay: Unix time its current phase (label phase) began, from its status conditions' lastTransitionTime, so an operator restart does not reset it (Draining after a canary, or a status without conditions: when this operator first saw the phase)",
             replay_phase_since.clone(),
         );
         registry.register(
@@ -261,7 +262,7 @@ impl Metrics {
     }
 
     /// Show one replay as its status and spec now are in the per-replay series: its phase (with
-    /// the time it was first seen in it, kept while the phase holds), its counts, its canaries
+    /// the time it began, kept while the phase holds), its counts, its canaries
     /// by result and its `maxQuarantineRatio`. Counts that went down (a new replay under the
     /// same name) start their series over.
     pub fn observe_replay(
@@ -308,7 +309,7 @@ impl Metrics {
                     name: n.clone(),
                     phase: phase.clone(),
                 })
-                .set(now);
+                .set(crate::controller::status::phase_since(status).map_or(now, |t| t.min(now)));
             seen.phase = Some(phase);
         }
         let c = &status.counts;
@@ -618,6 +619,36 @@ mod tests {
         m.observe_replay_at("media", "ep", Some(&s), None, 500);
         m.forget_replays();
         assert!(!m.encode().contains(r#"name="ep""#));
+    }
+
+    #[test]
+    fn a_pending_replay_keeps_its_since_across_an_operator_restart() {
+        use crate::api::{DlqReplayStatus, Phase};
+        use crate::controller::status;
+        let at = |secs: i64| {
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                k8s_openapi::jiff::Timestamp::from_second(secs).unwrap(),
+            )
+        };
+        let mut s = DlqReplayStatus {
+            phase: Some(Phase::Pending),
+            ..Default::default()
+        };
+        s.conditions = status::conditions(&s, &[], Some(1), &at(1_000));
+        // Still Pending at 1,300, when the operator wrote its status again.
+        s.conditions = status::conditions(&s, &s.conditions, Some(1), &at(1_300));
+        // A new operator (a restart, another leader) first sees it at 1,600.
+        let m = Metrics::new();
+        m.observe_replay_at("media", "ep", Some(&s), None, 1_600);
+        let text = m.encode();
+        assert!(
+            text.contains(r#"dlq_replay_replay_phase_since_seconds{namespace="media",name="ep",phase="Pending"} 1000"#),
+            "{text}"
+        );
+        // Never in the future, whatever the clocks say.
+        let m = Metrics::new();
+        m.observe_replay_at("media", "ep", Some(&s), None, 900);
+        assert!(m.encode().contains(r#"phase="Pending"} 900"#));
     }
 
     #[test]

@@ -112,6 +112,22 @@ pub fn canary_wait_note(status: &DlqReplayStatus) -> Option<String> {
     })
 }
 
+/// When the status's phase began (Unix seconds), as its conditions tell: the latest of their
+/// `lastTransitionTime`s, since every phase change flips at least one of them (see
+/// [`conditions`]) and the API server keeps them across operator restarts and leader changes.
+/// `None` where that is not the phase's own start: a status without conditions, and Draining
+/// after a canary phase (the two phases have the same conditions).
+pub fn phase_since(status: &DlqReplayStatus) -> Option<i64> {
+    if status.phase == Some(Phase::Draining) && !status.canary.is_empty() {
+        return None;
+    }
+    status
+        .conditions
+        .iter()
+        .map(|c| c.last_transition_time.0.as_second())
+        .max()
+}
+
 /// A CamelCase reason: the prefix of the message when it has one (`NoConsumer: ...`), else
 /// the phase.
 pub fn reason_of(status: &DlqReplayStatus) -> String {
@@ -171,6 +187,37 @@ mod tests {
 
     fn t(secs: i64) -> Time {
         Time(k8s_openapi::jiff::Timestamp::from_second(1_800_000_000 + secs).unwrap())
+    }
+
+    #[test]
+    fn a_phase_begins_when_its_conditions_last_changed() {
+        // A replay's life, one status write per step: (phase, at, its phase's start).
+        let life = [
+            (Phase::Pending, 0, Some(0)),
+            (Phase::Pending, 60, Some(0)),
+            (Phase::Suspended, 100, Some(100)),
+            (Phase::Pending, 200, Some(200)),
+            (Phase::Canary, 300, Some(300)),
+            (Phase::Draining, 400, None),
+            (Phase::Done, 500, Some(500)),
+        ];
+        let mut s = st(Phase::Pending, "");
+        for (phase, at, since) in life {
+            s.phase = Some(phase);
+            if phase == Phase::Canary {
+                s.canary = vec![CanaryStatus::default()];
+            }
+            s.conditions = conditions(&s, &s.conditions, Some(1), &t(at));
+            let want = since.map(|x| t(x).0.as_second());
+            assert_eq!(phase_since(&s), want, "{phase} at {at}");
+        }
+        // Without a canary, Draining's conditions are its own.
+        let mut s = st(Phase::Pending, "");
+        s.conditions = conditions(&s, &[], Some(1), &t(0));
+        s.phase = Some(Phase::Draining);
+        s.conditions = conditions(&s, &s.conditions, Some(1), &t(50));
+        assert_eq!(phase_since(&s), Some(t(50).0.as_second()));
+        assert_eq!(phase_since(&DlqReplayStatus::default()), None);
     }
 
     #[test]
