@@ -14,7 +14,12 @@
 //! The window (`Options::window`) bounds the messages between gate and settle: claimed or
 //! published, not yet recorded. It is what a crash (kill -9) can leave unknown: in Claim mode
 //! those keys are quarantined `OutcomeUnknown` by the next run, in Check mode published again.
+//!
+//! By file: `decide` (what each delivery becomes), `gate`, `send`, `settle` (keep, record, ack)
+//! and `end` (how a pass ends); this one runs the steps.
 
+mod decide;
+mod end;
 mod gate;
 mod send;
 mod settle;
@@ -27,13 +32,11 @@ use lapin::message::Delivery;
 use lapin::{Connection, PublisherConfirm};
 use tokio_util::sync::CancellationToken;
 
-use super::classify::{self, Destination, Rules, SkipReason, Verdict};
+use super::classify::Destination;
 use super::source::{self, Source};
 use super::store::{self, Store};
-use super::{
-    keep, limiter, message, now, proven, publish, summary, watch, Options, Progress, Replay,
-};
-use crate::api::{DlqReplayStatus, Phase};
+use super::{keep, limiter, proven, publish, watch, Options, Progress, Replay};
+use crate::api::DlqReplayStatus;
 use crate::Error;
 
 /// What happens to one message.
@@ -483,222 +486,9 @@ impl<'a> Drain<'a> {
         self.forget_failed();
     }
 
-    fn forget_failed(&mut self) {
-        self.failed_keys.clear();
-        self.closed_on = None;
-    }
-
-    /// While draining, watch for replayed messages that die again. They land behind the pass's
-    /// bound, so the consumer never sees them: the watch queue on the dead-letter routes gets a
-    /// copy of each new dead letter, and this replay's are counted. Above
-    /// `canary.maxReturnRatio` of the replayed, stop. Without a known route there is nothing to
-    /// watch while draining (a traversal would compete with the drain's own consumer).
-    async fn check_returns(&mut self, opts: &Options) -> Result<Option<End>, Error> {
-        let spec = &self.replay.spec;
-        let Some(watch) = self.returns.as_ref().filter(|_| spec.canary.enabled) else {
-            return Ok(None);
-        };
-        let due = self
-            .last_return_check
-            .is_none_or(|t| t.elapsed() >= opts.return_check);
-        if !due {
-            return Ok(None);
-        }
-        self.last_return_check = Some(tokio::time::Instant::now());
-        let found = watch
-            .poll(&self.replay_id, &spec.canary.signature_header)
-            .await?;
-        let before = self.returns_behind.len();
-        let mut last_reason = String::new();
-        for r in found {
-            if self.returns_behind.insert(r.fingerprint) {
-                last_reason = r.reason;
-            }
-        }
-        let new = (self.returns_behind.len() - before) as u64;
-        self.status.counts.returned += new;
-        let replayed = self.status.counts.replayed.max(1);
-        let ratio = self.status.counts.returned as f64 / replayed as f64;
-        if new > 0 && ratio > spec.canary.max_return_ratio {
-            return Ok(Some(End::TooManyReturns(
-                self.status.counts.returned,
-                last_reason,
-            )));
-        }
-        Ok(None)
-    }
-
     /// Whether both of the pass's broker connections are still up (an error on a channel can be
     /// the echo of a connection that went away).
     pub(super) fn connected(&self, src_conn: &Connection) -> bool {
         src_conn.status().connected() && self.publisher.connection().status().connected()
     }
-
-    fn limit_reached(&self) -> bool {
-        self.replay
-            .spec
-            .selector
-            .limit
-            .is_some_and(|l| self.selected >= l)
-    }
-
-    async fn queue_is_empty(&self) -> Result<bool, Error> {
-        let conn = self.publisher.connection();
-        Ok(source::queue_state(conn, &self.replay.spec.source.queue)
-            .await?
-            .is_none_or(|s| s.0 == 0))
-    }
-
-    fn classify(&mut self, deliveries: Vec<Delivery>) -> Vec<Item> {
-        let rules = Rules::of(&self.replay.spec, &self.replay_id);
-        let mut items = Vec::with_capacity(deliveries.len());
-        for delivery in deliveries {
-            if self.seen >= self.bound {
-                // Prefetched beyond the bound: not ours; it goes back untouched when the channel
-                // closes.
-                break;
-            }
-            self.seen += 1;
-            watch::note_route(&mut self.routes, &delivery);
-            let props = &delivery.properties;
-            let identity = message::identity(props, &delivery.data);
-            let fingerprint = message::fingerprint(props, &delivery.data);
-            let met = self
-                .keeper
-                .as_mut()
-                .and_then(|(_, ledger)| ledger.meet(props, &delivery.data));
-            if let Some((d, true)) = met {
-                items.push(Item {
-                    delivery,
-                    identity,
-                    fingerprint,
-                    digest: Some(d),
-                    key: None,
-                    act: Act::Leftover,
-                });
-                continue;
-            }
-            let digest = met.map(|(d, _)| d);
-            let verdict = if self.limit_reached() {
-                Verdict::Skip(SkipReason::NotSelected("selector.limit reached".into()))
-            } else {
-                classify::classify(&rules, props, &delivery.data)
-            };
-            let (act, key) = match verdict {
-                Verdict::Skip(SkipReason::Returned) => (
-                    Act::Skip {
-                        reason: "returned: died again after this replay".into(),
-                        returned: true,
-                    },
-                    None,
-                ),
-                Verdict::Skip(SkipReason::NotSelected(r)) => (
-                    Act::Skip {
-                        reason: r,
-                        returned: false,
-                    },
-                    None,
-                ),
-                Verdict::Poison(r) => (Act::Quarantine(r), None),
-                Verdict::Replay { key, destination } => match hold(
-                    &self.proven,
-                    &mut self.unproven,
-                    &self.replay.spec.canary.signature_header,
-                    props,
-                ) {
-                    Some(reason) => (
-                        Act::Skip {
-                            reason,
-                            returned: false,
-                        },
-                        None,
-                    ),
-                    None => (Act::Replay(destination), key),
-                },
-            };
-            if !matches!(act, Act::Skip { .. }) {
-                self.selected += 1;
-            }
-            items.push(Item {
-                delivery,
-                identity,
-                fingerprint,
-                digest,
-                key,
-                act,
-            });
-        }
-        items
-    }
-
-    fn report(&mut self, progress: &Progress) {
-        let left = self.bound.saturating_sub(self.seen);
-        self.status.message = Some(format!("replaying, {left} left of this pass"));
-        progress.send_replace(self.status.clone());
-    }
-
-    /// Close the pass: everything still unacked goes back to the queue in place.
-    pub(super) async fn finish(&mut self, end: End) -> DlqReplayStatus {
-        if let Some(src) = self.source.take() {
-            let took_all = src.took_all();
-            if let Err(e) = src.close().await {
-                tracing::warn!(error = %e, "closing the dead-letter queue channel");
-            } else if took_all {
-                self.take_back_moved().await;
-            }
-        }
-        let mut status = self.status.clone();
-        let mut summary = summary(&status.counts);
-        if !self.unproven.is_empty() {
-            let held: u64 = self.unproven.values().sum();
-            let sigs: Vec<&str> = self.unproven.keys().map(String::as_str).collect();
-            summary.push_str(&format!(
-                "; {held} held back because no canary proved their signature ({}): they arrived after the canaries were chosen and stay in the queue for a new replay to canary",
-                sigs.join(", ")
-            ));
-        }
-        let (phase, message) = match end {
-            // Past selector.limit the pass went on to its bound, skipping: a message that stays
-            // is moved like any skipped one, so the DLQ keeps its order.
-            End::Drained if self.limit_reached() => {
-                (Phase::Done, format!("selector.limit reached; {summary}"))
-            }
-            End::Drained => (Phase::Done, summary),
-            End::TooManyReturns(n, why) => (
-                Phase::Failed,
-                format!(
-                    "TooManyReturns: {n} replayed messages came back (last: {why}), more than canary.maxReturnRatio {} of the replayed; stopped, the rest is still in the dead-letter queue; {summary}",
-                    self.replay.spec.canary.max_return_ratio
-                ),
-            ),
-            End::Cancelled => (Phase::Suspended, format!("stopped; run it again to resume; {summary}")),
-            End::Error(e) => (Phase::Failed, format!("{e}; unsettled messages are still in the dead-letter queue; run it again to resume")),
-        };
-        status.phase = Some(phase);
-        status.message = Some(message);
-        if phase == Phase::Done {
-            status.finished_at = Some(now());
-        }
-        status
-    }
-}
-
-/// Why a replayable message stays in the queue (its signature's canary did not pass, or none
-/// met it), counting the unproven ones in `unproven` for the end message.
-fn hold(
-    proven: &proven::Proven,
-    unproven: &mut std::collections::BTreeMap<String, u64>,
-    signature_header: &str,
-    props: &lapin::BasicProperties,
-) -> Option<String> {
-    if let proven::Proven::All = proven {
-        return None;
-    }
-    let sig = classify::signature(signature_header, props);
-    let hold = proven.hold(&sig)?;
-    let reason = hold.reason(&sig);
-    if hold == proven::Hold::Unproven {
-        *unproven.entry(sig).or_default() += 1;
-    }
-    Some(reason)
 }
