@@ -686,7 +686,7 @@ pub fn write_audit(
         AuditFormat::Csv => {
             writeln!(
                 out,
-                "id,replay,message,decision,key,reason,destination,canary,time"
+                "id,replay,message,decision,key,reason,destination,canary,time,signature"
             )?;
             for r in rows {
                 let cells = [
@@ -701,6 +701,7 @@ pub fn write_audit(
                 let mut line: Vec<String> = cells.iter().map(|c| csv_cell(c)).collect();
                 line.push(r.canary.to_string());
                 line.push(csv_cell(&r.time));
+                line.push(csv_cell(&r.signature));
                 writeln!(out, "{}", line.join(","))?;
             }
         }

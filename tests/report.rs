@@ -216,6 +216,13 @@ async fn a_real_replays_report_renders_in_a_real_browser() {
         "one row per decision"
     );
     assert_eq!(by_manifest, by_key);
+    // Every row names its message's failure signature, the canary's included.
+    for line in String::from_utf8_lossy(&by_manifest).lines() {
+        let row: serde_json::Value = serde_json::from_str(line).expect("a JSON row");
+        if row["decision"] != "quarantined" {
+            assert_eq!(row["signature"], "x-exception-type=TimeoutError", "{line}");
+        }
+    }
     let (ok, text, _) = audit(&["--key".as_ref(), key.as_ref()]);
     assert!(
         !ok && text.contains("--key needs --redis-url or REDIS_URL"),

@@ -401,6 +401,7 @@ async fn publish_canaries(
             destination: format!("{}/{}", c.destination.exchange, c.destination.routing_key),
             canary: true,
             time: now(),
+            signature: c.signature.clone(),
             ..Default::default()
         });
         let failed = status.result == CanaryResult::DiedAgain;

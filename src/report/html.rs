@@ -257,7 +257,7 @@ fn signatures(s: &mut String, r: &Report) {
     if r.signatures.is_empty() {
         s.push_str("<p class=\"note\">No canary ran (canary disabled, or the replay stopped before it), so no signature was told apart; the totals are the replay's.</p>");
     } else {
-        s.push_str("<p class=\"note\">Selected: messages of the signature chosen for replay (poison is quarantined before). A signature's drained rows are told apart only when a single signature drained (— otherwise: the audit row does not name its signature).</p>");
+        s.push_str("<p class=\"note\">Selected: messages of the signature chosen for replay (poison is quarantined before). Drained rows are counted by the signature their audit row names (—: rows of an older dlq-replay, which did not name it, with several signatures drained).</p>");
     }
     s.push_str("</section>\n");
 }

@@ -9,9 +9,9 @@
 //!
 //! What the audit trail does not hold, the report does not invent: messages left in the DLQ
 //! (skipped by the selector, held back, returned) have no audit row, so they appear as the
-//! status's counts; and a row does not name its failure signature, so per signature the report
-//! counts the canary's own row and the signature's selected messages (from the status), and it
-//! attributes the drained rows to a signature only when a single signature was drained.
+//! status's counts. Each row names its message's failure signature, so the drained rows are
+//! counted per signature; rows written before rows named it are attributed to a signature only
+//! when a single signature was drained.
 
 pub mod chart;
 pub mod html;
@@ -19,7 +19,7 @@ pub mod load;
 pub mod md;
 pub mod sample;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use chrono::{DateTime, Utc};
 
@@ -81,8 +81,8 @@ pub struct SignatureRow {
     pub result: String,
     /// Drained, or held back.
     pub drained: bool,
-    /// Replayed / duplicates / failed rows attributed to this signature (None: not attributable,
-    /// several signatures were drained together).
+    /// Replayed / duplicates / failed rows attributed to this signature (None: not attributable:
+    /// rows that name no signature, with several signatures drained).
     pub replayed: Option<u64>,
     /// See `replayed`.
     pub duplicates: Option<u64>,
@@ -330,16 +330,19 @@ fn canaries(status: &DlqReplayStatus, rows: &[AuditRow]) -> Vec<CanaryRow> {
 
 fn signatures(status: &DlqReplayStatus, rows: &[AuditRow]) -> Vec<SignatureRow> {
     let drained = status.canary.iter().filter(|c| drains(c.result)).count();
-    // Rows that are not a canary's: attributable to a signature only if a single one drained.
-    let mut rest = (0u64, 0u64, 0u64);
+    // The drained rows (not a canary's), per signature they name ("" for rows written before
+    // rows named it: attributable only if a single signature drained).
+    let mut rest: HashMap<&str, (u64, u64, u64)> = HashMap::new();
     for row in rows.iter().filter(|row| !row.canary) {
+        let n = rest.entry(row.signature.as_str()).or_default();
         match row.decision.as_str() {
-            "replayed" => rest.0 += 1,
-            "duplicate" => rest.1 += 1,
-            "failed" => rest.2 += 1,
+            "replayed" => n.0 += 1,
+            "duplicate" => n.1 += 1,
+            "failed" => n.2 += 1,
             _ => {}
         }
     }
+    let unnamed = rest.get("").copied();
     status
         .canary
         .iter()
@@ -349,16 +352,22 @@ fn signatures(status: &DlqReplayStatus, rows: &[AuditRow]) -> Vec<SignatureRow> 
                 .find(|row| row.canary && row.message == c.message_id);
             let own = |d: &str| u64::from(own.is_some_and(|row| row.decision == d));
             let ok = drains(c.result);
-            let (replayed, duplicates, failed) = if !ok {
-                (Some(own("replayed")), Some(0), Some(own("failed")))
-            } else if drained == 1 {
-                (
-                    Some(own("replayed") + rest.0),
-                    Some(rest.1),
-                    Some(own("failed") + rest.2),
-                )
-            } else {
-                (None, None, None)
+            let named = rest.get(c.signature.as_str()).copied().unwrap_or_default();
+            let drained_rows = match unnamed {
+                None => Some(named),
+                Some(old) if drained == 1 => {
+                    Some((named.0 + old.0, named.1 + old.1, named.2 + old.2))
+                }
+                Some(_) => None,
+            };
+            let (replayed, duplicates, failed) = match drained_rows {
+                _ if !ok => (Some(own("replayed")), Some(0), Some(own("failed"))),
+                Some(d) => (
+                    Some(own("replayed") + d.0),
+                    Some(d.1),
+                    Some(own("failed") + d.2),
+                ),
+                None => (None, None, None),
             };
             SignatureRow {
                 signature: cut(&c.signature),

@@ -40,6 +40,7 @@ pub fn replay(n: usize) -> (DlqReplayStatus, Vec<AuditRow>) {
         .unwrap_or_default();
     let mut rows = Vec::with_capacity(n);
     let mut counts = Counts::default();
+    const TIMEOUT: &str = "x-exception-type=TimeoutError";
     let row = |message: String, decision: &str, reason: &str, canary: bool, ms: i64| AuditRow {
         id: format!("{}-0", 1_748_855_640_000 + ms),
         replay: "sample".into(),
@@ -50,9 +51,13 @@ pub fn replay(n: usize) -> (DlqReplayStatus, Vec<AuditRow>) {
         destination: String::new(),
         canary,
         time: at(t0, ms),
+        signature: TIMEOUT.into(),
     };
     rows.push(row("job-000000".into(), "replayed", "", true, 120));
-    rows.push(row("job-k-0001".into(), "replayed", "", true, 125));
+    rows.push(AuditRow {
+        signature: "x-exception-type=KeyError".into(),
+        ..row("job-k-0001".into(), "replayed", "", true, 125)
+    });
     counts.replayed += 2;
     let drain = 5_300;
     for i in 2..n {
@@ -85,7 +90,7 @@ pub fn replay(n: usize) -> (DlqReplayStatus, Vec<AuditRow>) {
         counts,
         canary: vec![
             CanaryStatus {
-                signature: "x-exception-type=TimeoutError".into(),
+                signature: TIMEOUT.into(),
                 message_id: "job-000000".into(),
                 sent_at: Some(at(t0, 120)),
                 wait_until: Some(at(t0, 5_120)),

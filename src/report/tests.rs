@@ -117,9 +117,9 @@ fn a_single_drained_signature_takes_the_drained_rows() {
 }
 
 #[test]
-fn two_drained_signatures_are_not_told_apart_and_a_failed_one_is_held_back() {
-    let (status, _) = sample::replay(100);
-    let r = Report::build(sample::meta(), &status, &sample::replay(100).1);
+fn drained_rows_count_under_the_signature_they_name_and_a_failed_one_is_held_back() {
+    let (status, rows) = sample::replay(100);
+    let r = Report::build(sample::meta(), &status, &rows);
     let kinds: Vec<(bool, u64)> = r
         .signatures
         .iter()
@@ -127,10 +127,44 @@ fn two_drained_signatures_are_not_told_apart_and_a_failed_one_is_held_back() {
         .collect();
     assert_eq!(kinds, [(true, 0), (false, 8)]);
     assert_eq!(r.signatures[1].replayed, Some(1), "its canary went out");
+    let drained = |d: &str| {
+        rows.iter()
+            .filter(|row| !row.canary && row.decision == d)
+            .count() as u64
+    };
+    // Both canaries passed: each signature gets the rows that name it, KeyError none.
     let mut two = status.clone();
     two.canary[1].result = CanaryResult::Passed;
-    let r = Report::build(sample::meta(), &two, &[]);
+    let r = Report::build(sample::meta(), &two, &rows);
+    let counted: Vec<_> = r
+        .signatures
+        .iter()
+        .map(|g| (g.replayed, g.duplicates, g.failed))
+        .collect();
+    assert_eq!(
+        counted,
+        [
+            (
+                Some(1 + drained("replayed")),
+                Some(drained("duplicate")),
+                Some(drained("failed"))
+            ),
+            (Some(1), Some(0), Some(0)),
+        ]
+    );
+    // Rows of an older dlq-replay name no signature: with two drained they are not told apart.
+    let unnamed: Vec<AuditRow> = rows
+        .iter()
+        .map(|row| AuditRow {
+            signature: String::new(),
+            ..row.clone()
+        })
+        .collect();
+    let r = Report::build(sample::meta(), &two, &unnamed);
     assert!(r.signatures.iter().all(|g| g.replayed.is_none()));
+    // With one drained they all go to it.
+    let r = Report::build(sample::meta(), &status, &unnamed);
+    assert_eq!(r.signatures[0].replayed, Some(1 + drained("replayed")));
 }
 
 #[test]

@@ -30,6 +30,7 @@ impl Drain<'_> {
             let props = &delivery.properties;
             let identity = message::identity(props, &delivery.data);
             let fingerprint = message::fingerprint(props, &delivery.data);
+            let signature = classify::signature(&self.replay.spec.canary.signature_header, props);
             let met = self
                 .keeper
                 .as_mut()
@@ -39,6 +40,7 @@ impl Drain<'_> {
                     delivery,
                     identity,
                     fingerprint,
+                    signature,
                     digest: Some(d),
                     key: None,
                     act: Act::Leftover,
@@ -67,21 +69,18 @@ impl Drain<'_> {
                     None,
                 ),
                 Verdict::Poison(r) => (Act::Quarantine(r), None),
-                Verdict::Replay { key, destination } => match hold(
-                    &self.proven,
-                    &mut self.unproven,
-                    &self.replay.spec.canary.signature_header,
-                    props,
-                ) {
-                    Some(reason) => (
-                        Act::Skip {
-                            reason,
-                            returned: false,
-                        },
-                        None,
-                    ),
-                    None => (Act::Replay(destination), key),
-                },
+                Verdict::Replay { key, destination } => {
+                    match hold(&self.proven, &mut self.unproven, &signature) {
+                        Some(reason) => (
+                            Act::Skip {
+                                reason,
+                                returned: false,
+                            },
+                            None,
+                        ),
+                        None => (Act::Replay(destination), key),
+                    }
+                }
             };
             if !matches!(act, Act::Skip { .. }) {
                 self.selected += 1;
@@ -90,6 +89,7 @@ impl Drain<'_> {
                 delivery,
                 identity,
                 fingerprint,
+                signature,
                 digest,
                 key,
                 act,
@@ -104,17 +104,15 @@ impl Drain<'_> {
 fn hold(
     proven: &proven::Proven,
     unproven: &mut std::collections::BTreeMap<String, u64>,
-    signature_header: &str,
-    props: &lapin::BasicProperties,
+    sig: &str,
 ) -> Option<String> {
     if let proven::Proven::All = proven {
         return None;
     }
-    let sig = classify::signature(signature_header, props);
-    let hold = proven.hold(&sig)?;
-    let reason = hold.reason(&sig);
+    let hold = proven.hold(sig)?;
+    let reason = hold.reason(sig);
     if hold == proven::Hold::Unproven {
-        *unproven.entry(sig).or_default() += 1;
+        *unproven.entry(sig.to_string()).or_default() += 1;
     }
     Some(reason)
 }

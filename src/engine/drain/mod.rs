@@ -77,6 +77,8 @@ pub(super) struct Item {
     identity: String,
     /// What the settled marks call it: a hash of message id and body.
     fingerprint: String,
+    /// Its failure signature, for its audit row.
+    signature: String,
     key: Option<String>,
     act: Act,
 }

@@ -272,6 +272,7 @@ impl Drain<'_> {
                 destination,
                 canary: false,
                 time: time.clone(),
+                signature: item.signature.clone(),
             });
         }
         acks.sort_unstable();

@@ -27,10 +27,14 @@ pub struct AuditRow {
     pub canary: bool,
     /// When (RFC 3339, milliseconds).
     pub time: String,
+    /// The message's failure signature (as the canary groups messages; see
+    /// `spec.canary.signatureHeader`). Empty in rows written before rows named it.
+    #[serde(default)]
+    pub signature: String,
 }
 
 impl AuditRow {
-    pub(super) const FIELDS: [&'static str; 8] = [
+    pub(super) const FIELDS: [&'static str; 9] = [
         "replay",
         "message",
         "decision",
@@ -39,9 +43,10 @@ impl AuditRow {
         "destination",
         "canary",
         "time",
+        "signature",
     ];
 
-    pub(super) fn values(&self) -> [&str; 8] {
+    pub(super) fn values(&self) -> [&str; 9] {
         [
             &self.replay,
             &self.message,
@@ -51,6 +56,7 @@ impl AuditRow {
             &self.destination,
             if self.canary { "true" } else { "false" },
             &self.time,
+            &self.signature,
         ]
     }
 }
@@ -94,6 +100,7 @@ fn row_of(id: String, fields: Vec<(String, String)>) -> AuditRow {
             "destination" => row.destination = v,
             "canary" => row.canary = v == "true",
             "time" => row.time = v,
+            "signature" => row.signature = v,
             _ => {}
         }
     }
