@@ -303,6 +303,17 @@ async fn a_second_replay_of_the_same_queue_waits_source_busy(c: &Cluster) {
     w.cleanup().await;
 }
 
+/// Set `spec.suspend` of replay `name`.
+async fn suspend(api: &Api<DlqReplay>, name: &str, on: bool) {
+    api.patch(
+        name,
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"suspend": on}})),
+    )
+    .await
+    .unwrap();
+}
+
 async fn suspend_pauses_after_in_flight_settles_and_resume_finishes(c: &Cluster) {
     let w = World::new("ctl-suspend").await;
     w.dead_letter((0..60).map(|i| job(&format!("p{i}"), json!({}))).collect())
@@ -320,13 +331,7 @@ async fn suspend_pauses_after_in_flight_settles_and_resume_finishes(c: &Cluster)
         r.status.as_ref().is_some_and(|s| s.counts.replayed >= 5)
     })
     .await;
-    api.patch(
-        "sus",
-        &PatchParams::default(),
-        &Patch::Merge(json!({"spec": {"suspend": true}})),
-    )
-    .await
-    .unwrap();
+    suspend(&api, "sus", true).await;
     // Suspended, and the status is of the new generation (kstatus and Argo CD wait for that),
     // with none of Ready, Reconciling and Stalled True.
     let r = wait_for(&api, "sus", "Suspended of generation 2", |r| {
@@ -350,24 +355,12 @@ async fn suspend_pauses_after_in_flight_settles_and_resume_finishes(c: &Cluster)
         60 - at_pause,
         "a message was half done"
     );
-    api.patch(
-        "sus",
-        &PatchParams::default(),
-        &Patch::Merge(json!({"spec": {"suspend": false}})),
-    )
-    .await
-    .unwrap();
+    suspend(&api, "sus", false).await;
     let r = wait_for(&api, "sus", "Done", |r| phase(r) == Some(Phase::Done)).await;
     assert_eq!(r.status.unwrap().counts.replayed, 60);
     // Suspending the ended replay changes nothing but is observed: its status is of the new
     // generation (else kstatus reads it as in progress for ever), still Done and Ready.
-    api.patch(
-        "sus",
-        &PatchParams::default(),
-        &Patch::Merge(json!({"spec": {"suspend": true}})),
-    )
-    .await
-    .unwrap();
+    suspend(&api, "sus", true).await;
     let r = wait_for(&api, "sus", "Done of generation 4", |r| {
         r.metadata.generation == Some(4)
             && r.status.as_ref().and_then(|s| s.observed_generation) == Some(4)
@@ -1194,13 +1187,7 @@ async fn suspending_during_the_canary_wait_says_so_and_resuming_sends_new_canari
     api.create(&PostParams::default(), &r).await.unwrap();
     let first = wait_for(&api, "sw", "Canary", |r| phase(r) == Some(Phase::Canary)).await;
     let first = first.status.unwrap().canary;
-    api.patch(
-        "sw",
-        &PatchParams::default(),
-        &Patch::Merge(json!({"spec": {"suspend": true}})),
-    )
-    .await
-    .unwrap();
+    suspend(&api, "sw", true).await;
     let t = Instant::now();
     let r = wait_for(&api, "sw", "Suspended", |r| {
         phase(r) == Some(Phase::Suspended)
@@ -1218,13 +1205,7 @@ async fn suspending_during_the_canary_wait_says_so_and_resuming_sends_new_canari
         t.elapsed().as_millis()
     );
     assert_eq!(w.depth(&w.topo.dlq).await, 9);
-    api.patch(
-        "sw",
-        &PatchParams::default(),
-        &Patch::Merge(json!({"spec": {"suspend": false}})),
-    )
-    .await
-    .unwrap();
+    suspend(&api, "sw", false).await;
     // The verdict of the first canary was not recorded: the resume sends a new one.
     let again = wait_for(&api, "sw", "a new canary", |r| {
         phase(r) == Some(Phase::Canary)
