@@ -570,13 +570,20 @@ async fn plan(args: PlanArgs) -> Result<ExitCode, Error> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// What `audit` and `report` read: the Redis named by the manifest (`-f`, with the replay it
-/// resolves to) or by `--redis-url` / `REDIS_URL` (`--key` alone).
+/// What `audit` and `report` read: a manifest (`-f`) and the replay it resolves to, or an audit
+/// key (`--key`).
+enum AuditSource {
+    Manifest(Box<(DlqReplay, Replay)>),
+    Key(String),
+}
+
+/// Where `audit` and `report` read, and the Redis that holds it: the manifest's (`-f`), else
+/// `--redis-url` / `REDIS_URL` (`--key` alone).
 fn audit_source(
     file: Option<&str>,
     key: Option<&str>,
     endpoints: &Endpoints,
-) -> Result<(String, Option<(DlqReplay, Replay)>), Error> {
+) -> Result<(String, AuditSource), Error> {
     match (file, key) {
         (Some(f), _) => {
             let resource = manifest::load(f)?;
@@ -586,23 +593,25 @@ fn audit_source(
                 ..endpoints.clone()
             };
             let replay = resolve(&resource, &endpoints)?;
-            Ok((replay.redis_url.clone(), Some((resource, replay))))
+            let url = replay.redis_url.clone();
+            Ok((url, AuditSource::Manifest(Box::new((resource, replay)))))
         }
-        (None, Some(_)) => endpoints
+        (None, Some(k)) => endpoints
             .redis_url
             .clone()
-            .map(|url| (url, None))
+            .map(|url| (url, AuditSource::Key(k.to_string())))
             .ok_or_else(|| Error::Config("--key needs --redis-url or REDIS_URL".into())),
         (None, None) => Err(Error::Config("give -f MANIFEST or --key KEY".into())),
     }
 }
 
 async fn audit(args: AuditArgs) -> Result<ExitCode, Error> {
-    let (redis_url, manifest) =
+    let (redis_url, source) =
         audit_source(args.file.as_deref(), args.key.as_deref(), &args.endpoints)?;
-    let key = match (&args.key, manifest) {
-        (Some(k), _) => k.clone(),
-        (None, Some((_, replay))) => {
+    let key = match (args.key, source) {
+        (Some(k), _) | (None, AuditSource::Key(k)) => k,
+        (None, AuditSource::Manifest(m)) => {
+            let replay = &m.1;
             let con = store::connect(&redis_url).await?;
             let state = store::Store::peek(con, &replay.namespace, &replay.state_name())
                 .await?
@@ -614,7 +623,6 @@ async fn audit(args: AuditArgs) -> Result<ExitCode, Error> {
                 })?;
             store::Keys::audit_of(&replay.namespace, &replay.state_name(), &state.replay_id)
         }
-        (None, None) => return Err(Error::Config("give -f MANIFEST or --key KEY".into())),
     };
     let mut con = store::connect(&redis_url).await?;
     let rows = store::read_audit(&mut con, &key).await?;
@@ -625,12 +633,12 @@ async fn audit(args: AuditArgs) -> Result<ExitCode, Error> {
 
 async fn report(args: ReportArgs) -> Result<ExitCode, Error> {
     use crate::report;
-    let (redis_url, manifest) =
+    let (redis_url, source) =
         audit_source(args.file.as_deref(), args.key.as_deref(), &args.endpoints)?;
-    let meta = match (manifest, &args.key) {
-        (Some((resource, _)), _) => report::load::meta_of(&resource),
-        (None, Some(k)) => {
-            let (namespace, name) = report::load::names_of_key(k).ok_or_else(|| {
+    let meta = match source {
+        AuditSource::Manifest(m) => report::load::meta_of(&m.0),
+        AuditSource::Key(k) => {
+            let (namespace, name) = report::load::names_of_key(&k).ok_or_else(|| {
                 Error::Config(format!(
                     "--key {k:?}: not an audit key (dlq:audit:<namespace>/<name>/<replay id>)"
                 ))
@@ -641,7 +649,6 @@ async fn report(args: ReportArgs) -> Result<ExitCode, Error> {
                 ..report::Meta::default()
             }
         }
-        (None, None) => return Err(Error::Config("give -f MANIFEST or --key KEY".into())),
     };
     let (meta, status, rows) = report::load::load(&redis_url, meta, args.key.as_deref()).await?;
     let mut model = report::Report::build(meta, &status, &rows);

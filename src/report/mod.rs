@@ -360,14 +360,16 @@ fn signatures(status: &DlqReplayStatus, rows: &[AuditRow]) -> Vec<SignatureRow> 
                 }
                 Some(_) => None,
             };
-            let (replayed, duplicates, failed) = match drained_rows {
-                _ if !ok => (Some(own("replayed")), Some(0), Some(own("failed"))),
-                Some(d) => (
+            let (replayed, duplicates, failed) = if !ok {
+                (Some(own("replayed")), Some(0), Some(own("failed")))
+            } else if let Some(d) = drained_rows {
+                (
                     Some(own("replayed") + d.0),
                     Some(d.1),
                     Some(own("failed") + d.2),
-                ),
-                None => (None, None, None),
+                )
+            } else {
+                (None, None, None)
             };
             SignatureRow {
                 signature: cut(&c.signature),
