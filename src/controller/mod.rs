@@ -459,14 +459,12 @@ async fn retry_if_asked(ctx: &Context, obj: &DlqReplay) -> Result<Action, Error>
         _ if status::reason_of(&status) == "InvalidSpec" => Some("its spec is invalid and immutable, so it would fail alike; create a new replay with a valid spec"),
         _ => None,
     };
-    let once = CancellationToken::new();
-    once.cancel();
     if let Some(why) = refused {
         let written = DlqReplayStatus {
             retried_for: Some(asked.clone()),
             ..status
         };
-        write_status(ctx, obj, &written, &once).await?;
+        write_status_once(ctx, obj, &written).await?;
         let note = format!("{RETRY_ANNOTATION}={asked:?} not acted on: {why}");
         emit(ctx, obj, true, "RetryRefused", Some(note)).await;
         return Ok(Action::await_change());
@@ -514,7 +512,7 @@ async fn retry_if_asked(ctx: &Context, obj: &DlqReplay) -> Result<Action, Error>
         },
         ..status
     };
-    write_status(ctx, obj, &pending, &once).await?;
+    write_status_once(ctx, obj, &pending).await?;
     Ok(Action::requeue(Duration::from_secs(1)))
 }
 
@@ -583,10 +581,7 @@ async fn refuse_invalid_spec(ctx: &Context, obj: &DlqReplay) -> Result<Option<Ac
         finished_at: Some(chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true)),
         ..status
     };
-    // One attempt, as `set_pending`: a failure fails the reconcile, tried again in 5 s.
-    let once = CancellationToken::new();
-    once.cancel();
-    write_status(ctx, obj, &failed, &once).await?;
+    write_status_once(ctx, obj, &failed).await?;
     Ok(Some(Action::await_change()))
 }
 
@@ -614,10 +609,7 @@ async fn observe_generation(ctx: &Context, obj: &DlqReplay) -> Result<(), Error>
     if status.observed_generation == obj.meta().generation {
         return Ok(());
     }
-    // One attempt, as in `set_pending`: a failure fails the reconcile, tried again in 5 s.
-    let once = CancellationToken::new();
-    once.cancel();
-    write_status(ctx, obj, status, &once).await?;
+    write_status_once(ctx, obj, status).await?;
     Ok(())
 }
 
@@ -640,12 +632,21 @@ async fn set_pending(
     }
     status.phase = Some(phase);
     status.message = Some(message.to_string());
-    // One attempt: a failure fails the reconcile, whose error policy tries again in 5 s (a
-    // reconcile must not hold a graceful shutdown for a status retry budget).
+    write_status_once(ctx, obj, &status).await?;
+    Ok(())
+}
+
+/// [`write_status`] from a reconcile: one attempt, and a failure fails the reconcile, whose
+/// error policy tries again in 5 s (a reconcile must not hold a graceful shutdown for a status
+/// retry budget).
+async fn write_status_once(
+    ctx: &Context,
+    obj: &DlqReplay,
+    next: &DlqReplayStatus,
+) -> Result<DlqReplayStatus, Error> {
     let once = CancellationToken::new();
     once.cancel();
-    write_status(ctx, obj, &status, &once).await?;
-    Ok(())
+    write_status(ctx, obj, next, &once).await
 }
 
 /// Write `next` as the replay's status: a server-side apply of the whole status under
