@@ -317,6 +317,37 @@ pub struct AuditSpec {
     #[serde(default = "default_retention_seconds")]
     #[schemars(range(min = 3600, max = 315_360_000))]
     pub retention_seconds: u64,
+    /// Where the audit rows go: `Redis` (default: a stream in the replay's Redis, about 90 bytes
+    /// a row, read back by `dlq-replay audit` and `report`) or `Log` (one JSON line per row,
+    /// marked `"audit":"dlq-replay"`, on the operator's (or `dlq-replay run`'s) standard error,
+    /// which the cluster's log collector keeps; Redis then keeps only the replay's state and
+    /// counts; `dlq-replay audit --log FILE` and `report --log FILE` read the lines back). Either
+    /// way a row is written before its message is acked.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub sink: AuditSink,
+    /// Run even though the replay's Redis may evict keys. Before anything moves, a replay reads
+    /// the Redis's `maxmemory-policy` and room (`INFO memory`, which managed Redis services
+    /// allow where they refuse `CONFIG`) and refuses to start when a policy that evicts any key
+    /// (`allkeys-*`) is set, or when `maxmemory` leaves less room than the replay is expected to
+    /// write at its peak: the replay's own writes could then evict the workers' done marks, and a
+    /// later replay would republish work that already happened. `true` accepts that risk;
+    /// `status.redisEvictionRisk` and the report say so.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub accept_redis_eviction: bool,
+}
+
+/// Where a replay's audit rows go (`spec.audit.sink`).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum AuditSink {
+    /// A Redis stream beside the replay's state.
+    #[default]
+    Redis,
+    /// JSON lines on standard error (the log stream).
+    Log,
+}
+
+fn is_default<T: Default + PartialEq>(v: &T) -> bool {
+    *v == T::default()
 }
 
 /// 30 days.
@@ -332,6 +363,16 @@ impl DlqReplaySpec {
         self.audit
             .as_ref()
             .map_or(DEFAULT_RETENTION_SECONDS, |a| a.retention_seconds)
+    }
+
+    /// Where the audit rows go ([`AuditSpec::sink`]).
+    pub fn audit_sink(&self) -> AuditSink {
+        self.audit.as_ref().map_or(AuditSink::Redis, |a| a.sink)
+    }
+
+    /// Whether the risk of an evicting Redis is accepted ([`AuditSpec::accept_redis_eviction`]).
+    pub fn accepts_redis_eviction(&self) -> bool {
+        self.audit.as_ref().is_some_and(|a| a.accept_redis_eviction)
     }
 }
 
@@ -511,6 +552,10 @@ pub struct DlqReplayStatus {
     /// says why).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retried_for: Option<String>,
+    /// Set when the replay runs on a Redis that may evict the workers' done marks, because
+    /// `spec.audit.acceptRedisEviction` accepted the risk: what the pre-flight found.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub redis_eviction_risk: Option<String>,
 }
 
 /// Decisions so far. `scanned = replayed + duplicates + quarantined + skipped + failed`.
@@ -578,10 +623,14 @@ pub enum CanaryResult {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct AuditRef {
-    /// The Redis stream that holds one row per decision.
+    /// The Redis stream that holds one row per decision (with `sink: Log`, the rows are in the
+    /// log instead, and this key names the replay run they carry as `replay`).
     pub key: String,
     /// How many rows it holds.
     pub records: u64,
+    /// Where the rows went (`spec.audit.sink`).
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub sink: AuditSink,
 }
 
 /// Spec fields that are fixed once a replay exists (everything but `suspend`): a replay is

@@ -204,6 +204,10 @@ pub struct AuditArgs {
     /// The audit stream key (status.audit.key) instead of a manifest.
     #[arg(long)]
     pub key: Option<String>,
+    /// Read the rows from this log (`-`: standard input) instead of Redis: for a replay with
+    /// `spec.audit.sink: Log`, its JSON lines as the log collector kept them.
+    #[arg(long, value_name = "FILE")]
+    pub log: Option<String>,
     #[command(flatten)]
     pub endpoints: Endpoints,
     /// Export format.
@@ -220,6 +224,10 @@ pub struct ReportArgs {
     /// The audit stream key (status.audit.key) instead of a manifest.
     #[arg(long)]
     pub key: Option<String>,
+    /// Read the rows from this log (`-`: standard input) instead of Redis: for a replay with
+    /// `spec.audit.sink: Log`, its JSON lines as the log collector kept them.
+    #[arg(long, value_name = "FILE")]
+    pub log: Option<String>,
     #[command(flatten)]
     pub endpoints: Endpoints,
     /// Page format.
@@ -624,8 +632,13 @@ async fn audit(args: AuditArgs) -> Result<ExitCode, Error> {
             store::Keys::audit_of(&replay.namespace, &replay.state_name(), &state.replay_id)
         }
     };
-    let mut con = store::connect(&redis_url).await?;
-    let rows = store::read_audit(&mut con, &key).await?;
+    let rows = match &args.log {
+        Some(path) => store::rows_of_log(&read_log(path)?, key.rsplit('/').next()),
+        None => {
+            let mut con = store::connect(&redis_url).await?;
+            store::read_audit(&mut con, &key).await?
+        }
+    };
     let mut out = std::io::stdout().lock();
     write_audit(&mut out, &rows, args.format).map_err(|e| Error::Io(e.to_string()))?;
     Ok(ExitCode::SUCCESS)
@@ -650,7 +663,11 @@ async fn report(args: ReportArgs) -> Result<ExitCode, Error> {
             }
         }
     };
-    let (meta, status, rows) = report::load::load(&redis_url, meta, args.key.as_deref()).await?;
+    let (meta, status, mut rows) =
+        report::load::load(&redis_url, meta, args.key.as_deref()).await?;
+    if let Some(path) = &args.log {
+        rows = store::rows_of_log(&read_log(path)?, status.replay_id.as_deref());
+    }
     let mut model = report::Report::build(meta, &status, &rows);
     model.generated = Some(chrono::Utc::now());
     let page = report::render(&model, args.format);
@@ -676,6 +693,19 @@ async fn report(args: ReportArgs) -> Result<ExitCode, Error> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The text of a log file, or of standard input for `-`.
+fn read_log(path: &str) -> Result<String, Error> {
+    use std::io::Read as _;
+    let mut text = String::new();
+    let read = if path == "-" {
+        std::io::stdin().read_to_string(&mut text).map(|_| ())
+    } else {
+        std::fs::read_to_string(path).map(|t| text = t)
+    };
+    read.map_err(|e| Error::Io(format!("--log {path}: {e}")))?;
+    Ok(text)
 }
 
 /// Write audit rows as JSON lines or CSV.

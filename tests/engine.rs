@@ -550,9 +550,11 @@ async fn an_unreachable_broker_or_redis_is_a_clear_error() {
 async fn the_store_notices_a_key_replayed_twice() {
     let w = World::new("again").await;
     let con = dlq_replay::engine::store::connect(REDIS).await.unwrap();
-    let (mut store, _) = dlq_replay::engine::store::Store::begin(con, "tests", &w.tag, 1, "now")
-        .await
-        .unwrap();
+    let audit = dlq_replay::engine::store::AuditConfig::default();
+    let (mut store, _) =
+        dlq_replay::engine::store::Store::begin(con, "tests", &w.tag, 1, "now", &audit)
+            .await
+            .unwrap();
     let mark = vec![(format!("key:{}", w.key("x")), "m1".to_string())];
     let (_, first) = store
         .commit(&[], &mark, &[], &Default::default())

@@ -1,5 +1,6 @@
 //! A replay's Redis keys after `dlq-replay run`: kept for `spec.audit.retentionSeconds` after
-//! the run, none written by a dry run, and `--retry` reopening a `CanaryFailed` replay in place.
+//! the run (its settled marks removed at Done), none written by a dry run, and `--retry`
+//! reopening a `CanaryFailed` replay in place.
 //! The binary runs against the local RabbitMQ and Redis. (The operator's side, the
 //! `replay.dlq.dev/retry` annotation, is in `tests/controller.rs`.)
 
@@ -57,15 +58,19 @@ async fn a_run_keeps_its_keys_for_the_retention_and_a_dry_run_writes_none() {
     let s = printed.and_then(|r| r.status).expect("the final resource");
     assert_eq!((s.phase, s.counts.replayed), (Some(Phase::Done), 10));
     let id = s.replay_id.unwrap();
+    let audit = s.audit.unwrap().key;
     let keys = [
         format!("dlq:replay:tests/{}", w.tag),
-        format!("dlq:settled:tests/{}/{id}", w.tag),
-        s.audit.unwrap().key,
+        format!("{audit}#dict"),
+        audit,
     ];
     for key in &keys {
         let ttl = ttl_of(&w, key).await;
         assert!((3500..=3600).contains(&ttl), "{key}: TTL {ttl}");
     }
+    // The settled marks serve a resume only: a Done replay has none left.
+    let settled = format!("dlq:settled:tests/{}/{id}", w.tag);
+    assert_eq!(ttl_of(&w, &settled).await, -2, "{settled} outlived Done");
     w.cleanup().await;
 
     // A dry run (`plan`) writes nothing, so nothing to expire either.

@@ -86,6 +86,13 @@ pub fn ledger_key(amqp_url: &str, queue: &str) -> String {
     format!("dlq:moves:{scope}/{queue}")
 }
 
+/// How long a queue's ledger outlives its last write. Its counts are taken back as the moves
+/// settle, and the hash goes when the last one is; what a crash leaves is settled by the next
+/// traversal of the queue. A queue nobody traverses for this long has its doubts forgotten (a
+/// leftover copy would then be replayed like any message: Claim mode still publishes its key
+/// once).
+pub const LEDGER_TTL_SECONDS: u64 = 30 * 24 * 3600;
+
 /// Take back counts, deleting fields that reach zero. KEYS[1] the hash; ARGV digest, n pairs.
 const TAKE_BACK: &str = r#"
 for i = 1, #ARGV, 2 do
@@ -176,6 +183,10 @@ impl Ledger {
         for d in digests {
             p.cmd("HINCRBY").arg(&self.key).arg(d).arg(1).ignore();
         }
+        p.cmd("EXPIRE")
+            .arg(&self.key)
+            .arg(LEDGER_TTL_SECONDS)
+            .ignore();
         p.query_async::<()>(&mut self.con).await?;
         Ok(())
     }

@@ -26,7 +26,7 @@ use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 use tokio_util::sync::CancellationToken;
 
-use crate::api::{AuditRef, Counts, DlqReplaySpec, DlqReplayStatus, Phase};
+use crate::api::{AuditRef, AuditSink, Counts, DlqReplaySpec, DlqReplayStatus, Phase};
 use crate::Error;
 use drain::{Drain, End};
 use source::Source;
@@ -269,13 +269,15 @@ async fn run_pass(
         .await?
         .ok_or_else(|| Error::SourceMissing(replay.spec.source.queue.clone()))?
         .0;
-    let con = store::connect(&replay.redis_url).await?;
+    let mut con = store::connect(&replay.redis_url).await?;
+    let eviction_risk = redis_preflight(replay, &mut con, depth.into()).await?;
     let (mut store, state) = Store::begin(
         con,
         &replay.namespace,
         &replay.state_name(),
         depth.into(),
         &now(),
+        &audit_config(&replay.spec),
     )
     .await?;
     // A batch whose publishes are confirmed is worth waiting for Redis: as long as a lost
@@ -291,7 +293,11 @@ async fn run_pass(
         let _ = src_conn.close(200, "done".into()).await;
         return Ok(Pass::Ended(status));
     }
-    let status = initial_status(&state, store.keys().audit.clone());
+    let mut status = initial_status(&state, store.keys().audit.clone());
+    status.redis_eviction_risk = eviction_risk;
+    if let Some(a) = status.audit.as_mut() {
+        a.sink = replay.spec.audit_sink();
+    }
     let res = replay_pass(
         replay, opts, progress, cancel, &src_conn, state, store, status,
     )
@@ -342,7 +348,7 @@ async fn replay_pass(
             if status.phase == Some(Phase::CanaryFailed) {
                 status.finished_at = Some(now());
                 if let Ok(json) = serde_json::to_string(&status) {
-                    store.finish(&json).await?;
+                    store.finish(&json, false).await?;
                 }
             }
             return Ok(Pass::Ended(status));
@@ -418,7 +424,7 @@ async fn replay_pass(
     }
     if status.phase == Some(Phase::Done) {
         if let Ok(json) = serde_json::to_string(&status) {
-            if let Err(e) = drain.store.finish(&json).await {
+            if let Err(e) = drain.store.finish(&json, true).await {
                 if e.is_transient() {
                     return Ok(Pass::Lost(status, e.to_string()));
                 }
@@ -428,6 +434,60 @@ async fn replay_pass(
         }
     }
     Ok(Pass::Ended(status))
+}
+
+/// How the replay's audit rows are written.
+fn audit_config(spec: &DlqReplaySpec) -> store::AuditConfig {
+    store::AuditConfig {
+        sink: match spec.audit_sink() {
+            AuditSink::Redis => store::Sink::Redis,
+            AuditSink::Log => store::Sink::Log,
+        },
+        key_prefix: spec
+            .idempotency
+            .as_ref()
+            .map(|i| i.key.prefix.clone())
+            .unwrap_or_default(),
+    }
+}
+
+/// Before anything moves: refuse a Redis whose eviction could take the workers' done marks (see
+/// `store::Room`), unless `spec.audit.acceptRedisEviction` accepts the risk; then the risk is
+/// returned, for status and the report to say.
+async fn redis_preflight(
+    replay: &Replay,
+    con: &mut redis::aio::ConnectionManager,
+    depth: u64,
+) -> Result<Option<String>, Error> {
+    let spec = &replay.spec;
+    let accepted = spec.accepts_redis_eviction();
+    let room = match store::Room::read(con).await {
+        Ok(room) => room,
+        Err(e) if accepted => return Ok(Some(format!("not checked: {e}"))),
+        Err(e) => {
+            return Err(Error::Config(format!(
+                "{e}; nothing was touched (set spec.audit.acceptRedisEviction: true to run without the check)"
+            )))
+        }
+    };
+    let messages = spec.selector.limit.map_or(depth, |l| l.min(depth));
+    let claims = spec
+        .idempotency
+        .as_ref()
+        .is_some_and(|i| i.mode == crate::api::IdempotencyMode::Claim);
+    let expected = store::expected_bytes(messages, spec.audit_sink() == AuditSink::Redis, claims);
+    let Some(risk) = room.risk(expected) else {
+        return Ok(None);
+    };
+    if accepted {
+        tracing::warn!(replay = %replay.name, risk = %risk, "running on an evicting Redis: spec.audit.acceptRedisEviction");
+        return Ok(Some(format!(
+            "accepted (spec.audit.acceptRedisEviction): {risk}"
+        )));
+    }
+    Err(Error::Config(format!(
+        "the replay's Redis may evict the workers' done marks: {risk}; nothing was touched. Set maxmemory-policy to noeviction (or volatile-* with room to spare), raise maxmemory, or accept the risk with spec.audit.acceptRedisEviction: true"
+    )))
 }
 
 enum CanaryEnd {
@@ -607,6 +667,7 @@ fn initial_status(state: &store::State, audit_key: String) -> DlqReplayStatus {
         audit: Some(AuditRef {
             key: audit_key,
             records: state.records,
+            ..AuditRef::default()
         }),
         started_at: Some(state.started_at.clone()),
         ..Default::default()

@@ -30,6 +30,7 @@ main{max-width:1040px;margin:0 auto;padding:28px 32px 40px}
 h1{font-size:26px;margin:0 0 4px}
 h2{font-size:18px;margin:30px 0 10px;padding-bottom:6px;border-bottom:1px solid var(--line)}
 .sub{color:var(--muted);margin:0 0 16px;word-break:break-all}
+.warn{color:#b45309;font-weight:600}
 code,.mono{font-family:"DejaVu Sans Mono",ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:13px}
 .badge{display:inline-block;padding:2px 10px;border-radius:12px;font-size:14px;font-weight:600;vertical-align:middle;margin-left:8px;color:#fff;background:var(--bad)}
 .badge.ok{background:var(--ok);color:#fff}
@@ -112,6 +113,13 @@ fn header(s: &mut String, r: &Report, title: &str) {
         esc(&r.phase),
         esc(&r.message)
     );
+    if let Some(risk) = &r.risk {
+        let _ = write!(
+            s,
+            "<p class=\"sub warn\" id=\"risk\">Redis eviction risk: {}</p>",
+            esc(risk)
+        );
+    }
     let unknown = || "—".to_string();
     let items: [(&str, String); 10] = [
         (

@@ -65,6 +65,7 @@ pub fn status_of(state: &store::State, key: &str) -> Result<DlqReplayStatus, Err
         audit: Some(AuditRef {
             key: key.to_string(),
             records: state.records,
+            ..AuditRef::default()
         }),
         started_at: (!state.started_at.is_empty()).then(|| state.started_at.clone()),
         ..DlqReplayStatus::default()
@@ -117,6 +118,7 @@ pub async fn load(
             audit: Some(AuditRef {
                 key: key.clone(),
                 records: rows.len() as u64,
+                ..AuditRef::default()
             }),
             message: Some(
                 "no stored state for this audit key (expired, or another run of the replay): only the audit rows are shown".into(),

@@ -43,6 +43,9 @@ pub fn render(r: &Report) -> String {
     if !r.message.is_empty() {
         let _ = writeln!(s, "> {}\n", cell(&r.message));
     }
+    if let Some(risk) = &r.risk {
+        let _ = writeln!(s, "> **Redis eviction risk:** {}\n", cell(risk));
+    }
     let unknown = || "—".to_string();
     let meta: [(&str, String); 10] = [
         (

@@ -150,6 +150,8 @@ pub struct Report {
     pub ok: bool,
     /// The status's one-line summary.
     pub message: String,
+    /// A risk the replay ran with (`status.redisEvictionRisk`).
+    pub risk: Option<String>,
     /// When it started / ended.
     pub started: Option<DateTime<Utc>>,
     /// See `started`.
@@ -225,6 +227,7 @@ impl Report {
                 .unwrap_or_else(|| "not ended (running, stopped or failed)".into()),
             ok: phase == Some(crate::api::Phase::Done),
             message: status.message.clone().unwrap_or_default(),
+            risk: status.redis_eviction_risk.clone(),
             started: status.started_at.as_deref().and_then(time),
             finished: status.finished_at.as_deref().and_then(time),
             depth_at_start: status.source_depth_at_start,

@@ -111,6 +111,7 @@ pub fn replay(n: usize) -> (DlqReplayStatus, Vec<AuditRow>) {
         audit: Some(AuditRef {
             key: "dlq:audit:media/ep-fix-4411/sample".into(),
             records: n as u64,
+            ..AuditRef::default()
         }),
         started_at: Some(at(t0, 0)),
         finished_at: Some(at(t0, last + 40)),

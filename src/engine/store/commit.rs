@@ -1,23 +1,30 @@
 //! A batch's outcome, written once: the audit rows, the settled marks, the ends of its claims
 //! and the count deltas, in one script call that a retry after a lost answer cannot apply twice.
 
+use super::audit::{self, Sink};
 use super::{confirmed_claim, AuditRow, Retries, Store};
 use crate::api::Counts;
 use crate::Error;
 
 /// A batch's outcome, applied once. KEYS: the audit stream, the settled hash, the state hash,
-/// then the claims the batch ends. ARGV: the commit id; the audit field names (count first); the
-/// rows (count first, one value per field each); the settled marks and then the `key:` marks
-/// (each count first, field and value each); the ended claims (count first, then per claim its
-/// value and the value it takes once published, or "" to release it); the count deltas (count
-/// first, field and increment each). Ended claims are compare-and-set or compare-and-delete, so a
-/// batch ends only its own claims. `key:` marks are
-/// HSETNX, and those that existed already are counted. The commit id kept in the state hash
-/// makes a retry of a commit that did go through (its answer was lost) change nothing.
+/// the audit dictionary, then the claims the batch ends. ARGV: the commit id; the dictionary's
+/// new fields (count first, field and value each); the audit field names (count first: none when
+/// the rows went to the log); the rows (count first, one value per field each); the settled marks
+/// and then the `key:` marks (each count first, field and value each); the ended claims (count
+/// first, then per claim its value and the value it takes once published, or "" to release it);
+/// the count deltas (count first, field and increment each). Ended claims are compare-and-set or
+/// compare-and-delete, so a batch ends only its own claims. `key:` marks are HSETNX, and those
+/// that existed already are counted. The commit id kept in the state hash makes a retry of a
+/// commit that did go through (its answer was lost) change nothing. Returns the audit rows so
+/// far: the stream's length, or (rows in the log) the state's `records` count.
 const COMMIT: &str = r#"
-local audit, settled, state = KEYS[1], KEYS[2], KEYS[3]
+local audit, settled, state, dict = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local function records()
+  if redis.call('EXISTS', audit) == 1 then return redis.call('XLEN', audit) end
+  return tonumber(redis.call('HGET', state, 'records') or '0')
+end
 if redis.call('HGET', state, 'commit') == ARGV[1] then
-  return {redis.call('XLEN', audit), 0, 0}
+  return {records(), 0, 0}
 end
 local i = 2
 local function take()
@@ -25,10 +32,17 @@ local function take()
   i = i + 1
   return v
 end
+for _ = 1, tonumber(take()) do
+  redis.call('HSET', dict, take(), take())
+end
 local nfields = tonumber(take())
 local names = {}
 for f = 1, nfields do names[f] = take() end
-for _ = 1, tonumber(take()) do
+local nrows = tonumber(take())
+if nfields == 0 then
+  redis.call('HINCRBY', state, 'records', nrows)
+end
+for _ = 1, nfields > 0 and nrows or 0 do
   local xadd = {'XADD', audit, '*'}
   for f = 1, nfields do
     xadd[#xadd + 1] = names[f]
@@ -44,7 +58,7 @@ for _ = 1, tonumber(take()) do
   again = again + (1 - redis.call('HSETNX', settled, take(), take()))
 end
 for k = 1, tonumber(take()) do
-  local key, value, confirmed = KEYS[3 + k], take(), take()
+  local key, value, confirmed = KEYS[4 + k], take(), take()
   if redis.call('GET', key) == value then
     if confirmed == '' then
       redis.call('DEL', key)
@@ -57,7 +71,7 @@ for _ = 1, tonumber(take()) do
   redis.call('HINCRBY', state, take(), take())
 end
 redis.call('HSET', state, 'commit', ARGV[1])
-return {redis.call('XLEN', audit), again, 1}
+return {records(), again, 1}
 "#;
 
 fn commit_script() -> &'static redis::Script {
@@ -105,11 +119,19 @@ impl Store {
         release: &[ClaimEnd],
         delta: &Counts,
     ) -> Result<(u64, u64), Error> {
-        let invocation = self.commit_invocation(rows, settled, release, delta);
+        if self.sink == Sink::Log && !rows.is_empty() {
+            // Written before the commit, as a stream entry would be: the messages are acked
+            // only after both. A commit retried after a lost answer does not write them again.
+            audit::log_rows(rows, &self.names.0, &self.names.1)?;
+        }
+        let (invocation, defined) = self.commit_invocation(rows, settled, release, delta);
         let mut retries = Retries::new(self.retry_for, self.stop.clone());
         loop {
             let e = match invocation.invoke_async(&mut self.con).await {
-                Ok(answer) => return Ok(commit_answer(answer)),
+                Ok(answer) => {
+                    self.encoder.stored(defined);
+                    return Ok(commit_answer(answer));
+                }
                 Err(e) => Error::from(e),
             };
             let Some(delay) = retries.next(&e) else {
@@ -119,26 +141,37 @@ impl Store {
         }
     }
 
+    /// The script call of a commit, and how much of the audit dictionary it stores.
     fn commit_invocation(
         &self,
         rows: &[AuditRow],
         settled: &[(String, String)],
         release: &[ClaimEnd],
         delta: &Counts,
-    ) -> redis::ScriptInvocation<'static> {
+    ) -> (redis::ScriptInvocation<'static>, usize) {
         let (keys, marks): (Vec<_>, Vec<_>) =
             settled.iter().partition(|(f, _)| f.starts_with("key:"));
         let mut inv = commit_script().prepare_invoke();
         inv.key(&self.keys.audit)
             .key(&self.keys.settled)
-            .key(&self.keys.state);
+            .key(&self.keys.state)
+            .key(&self.keys.dict);
         inv.arg(uuid::Uuid::new_v4().simple().to_string());
-        inv.arg(AuditRow::FIELDS.len())
-            .arg(AuditRow::FIELDS.as_slice());
-        inv.arg(rows.len());
-        for row in rows {
-            inv.arg(row.values().as_slice());
-        }
+        let mut values = Vec::new();
+        let defined = match self.sink {
+            Sink::Redis => {
+                let defs = self.encoder.encode(rows, &mut values);
+                let fields = audit::definition_fields(&defs);
+                inv.arg(fields.len() / 2).arg(fields);
+                inv.arg(audit::FIELDS.len()).arg(audit::FIELDS.as_slice());
+                defs.from + defs.values.len()
+            }
+            Sink::Log => {
+                inv.arg(0).arg(0);
+                0
+            }
+        };
+        inv.arg(rows.len()).arg(values);
         for pairs in [&marks, &keys] {
             inv.arg(pairs.len());
             for (f, v) in pairs.iter() {
@@ -162,7 +195,7 @@ impl Store {
         for (field, n) in counts {
             inv.arg(field).arg(n);
         }
-        inv
+        (inv, defined)
     }
 }
 
@@ -258,7 +291,7 @@ mod tests {
             replayed: 2,
             ..Default::default()
         };
-        let inv = s.commit_invocation(&[row("a"), row("b")], &settled, &[], &delta);
+        let (inv, _) = s.commit_invocation(&[row("a"), row("b")], &settled, &[], &delta);
         let first: Vec<u64> = inv.invoke_async(&mut s.con).await.expect("first");
         // The same invocation again, as a retry after a timed-out answer sends it.
         let again: Vec<u64> = inv.invoke_async(&mut s.con).await.expect("again");

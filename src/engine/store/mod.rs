@@ -5,7 +5,8 @@
 //! once), so the counts and the audit trail can never disagree, even across a crash or a retry.
 //!
 //! By stage: `lookup` (the gate's round trip), `commit` (a batch's outcome), `held` (what a
-//! key's value means), `audit` (the trail), `retry` (lost answers), `retain` (expiry).
+//! key's value means), `audit` (the trail), `retry` (lost answers), `retain` (expiry), `room`
+//! (the pre-flight on eviction).
 
 mod audit;
 mod commit;
@@ -13,6 +14,7 @@ mod held;
 mod lookup;
 mod retain;
 mod retry;
+mod room;
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -23,12 +25,13 @@ use tokio_util::sync::CancellationToken;
 use crate::api::Counts;
 use crate::Error;
 
-pub use audit::{read_audit, AuditRow};
+pub use audit::{read_audit, rows_of_log, AuditRow, Decision, Sink};
 pub use commit::ClaimEnd;
 pub use held::{confirmed_claim, Held};
 pub use lookup::Lookup;
 pub use retain::{reopen, retain, retention};
 use retry::Retries;
+pub use room::{expected_bytes, Room};
 
 /// The replay's durable state, as stored under its state key.
 #[derive(Debug, Clone, Default)]
@@ -60,8 +63,12 @@ pub struct Keys {
     pub state: String,
     /// The audit stream (set once the replay id is known).
     pub audit: String,
-    /// The hash of settled messages: field = idempotency key or message identity.
+    /// The hash of settled messages: field = idempotency key or message identity. Only a
+    /// resume needs it: it is removed when the replay ends `Done`.
     pub settled: String,
+    /// The audit stream's dictionary (the key prefix, destinations and signatures its rows
+    /// number; see `audit`).
+    pub dict: String,
 }
 
 impl Keys {
@@ -75,6 +82,11 @@ impl Keys {
         format!("{AUDIT_PREFIX}{namespace}/{name}/{replay_id}")
     }
 
+    /// The dictionary of the audit stream `key`.
+    pub fn dict_of_audit(key: &str) -> String {
+        format!("{key}#dict")
+    }
+
     /// The namespace and name in an audit stream key (the inverse of [`Keys::audit_of`]).
     pub fn names_of_audit(key: &str) -> Option<(String, String)> {
         let rest = key.strip_prefix(AUDIT_PREFIX)?;
@@ -84,11 +96,18 @@ impl Keys {
     }
 
     fn new(namespace: &str, name: &str, replay_id: &str) -> Self {
+        let audit = Self::audit_of(namespace, name, replay_id);
         Self {
             state: Self::state_of(namespace, name),
-            audit: Self::audit_of(namespace, name, replay_id),
+            dict: Self::dict_of_audit(&audit),
+            audit,
             settled: format!("dlq:settled:{namespace}/{name}/{replay_id}"),
         }
+    }
+
+    /// Every key of the replay, for their expiry.
+    pub fn all(&self) -> [&str; 4] {
+        [&self.state, &self.settled, &self.audit, &self.dict]
     }
 }
 
@@ -103,6 +122,21 @@ pub struct Store {
     waits: Option<crate::engine::Progress>,
     /// The replay's stop: it ends a wait between retries (see [`Store::stop_on`]).
     stop: Option<CancellationToken>,
+    /// Where the audit rows go.
+    sink: Sink,
+    /// How rows become stream entries (shared by the clones).
+    encoder: audit::Encoder,
+    /// The replay's namespace and name, as log rows say them.
+    names: (String, String),
+}
+
+/// How a replay's audit rows are written: `spec.audit.sink` and `spec.idempotency.key.prefix`.
+#[derive(Debug, Clone, Default)]
+pub struct AuditConfig {
+    /// Where the rows go.
+    pub sink: Sink,
+    /// The prefix every idempotency key of the replay starts with (rows keep the rest).
+    pub key_prefix: String,
 }
 
 /// Connect to Redis; the error never repeats the URL.
@@ -136,6 +170,7 @@ impl Store {
         name: &str,
         depth_now: u64,
         now: &str,
+        audit: &AuditConfig,
     ) -> Result<(Self, State), Error> {
         let state_key = Keys::state_of(namespace, name);
         let fresh_id = uuid::Uuid::new_v4().simple().to_string();
@@ -166,10 +201,15 @@ impl Store {
         let (map,): (HashMap<String, String>,) = p.query_async(&mut con).await?;
         let mut state = parse_state(&map);
         let keys = Keys::new(namespace, name, &state.replay_id);
-        state.records = redis::cmd("XLEN")
+        let (len, dict): (u64, HashMap<String, String>) = redis::pipe()
+            .cmd("XLEN")
             .arg(&keys.audit)
+            .cmd("HGETALL")
+            .arg(&keys.dict)
             .query_async(&mut con)
             .await?;
+        // Rows sent to the log are counted in the state; a stream counts itself.
+        state.records = len.max(state.records);
         Ok((
             Self {
                 con,
@@ -177,6 +217,9 @@ impl Store {
                 retry_for: Duration::ZERO,
                 waits: None,
                 stop: None,
+                sink: audit.sink,
+                encoder: audit::Encoder::new(&audit.key_prefix, dict),
+                names: (namespace.to_string(), name.to_string()),
             },
             state,
         ))
@@ -217,13 +260,21 @@ impl Store {
     }
 
     /// Record the final status; a later run of the same replay reports it and replays nothing.
-    pub async fn finish(&mut self, status_json: &str) -> Result<(), Error> {
-        redis::cmd("HSET")
+    /// A replay that ended `Done` needs its settled marks no more (they serve a resume, and it
+    /// will not resume): they go with the same transaction, so the replay's footprint in the
+    /// workers' Redis after its end is its audit trail and its state.
+    pub async fn finish(&mut self, status_json: &str, done: bool) -> Result<(), Error> {
+        let mut p = redis::pipe();
+        p.atomic()
+            .cmd("HSET")
             .arg(&self.keys.state)
             .arg("final")
             .arg(status_json)
-            .query_async::<()>(&mut self.con)
-            .await?;
+            .ignore();
+        if done {
+            p.cmd("DEL").arg(&self.keys.settled).ignore();
+        }
+        p.query_async::<()>(&mut self.con).await?;
         Ok(())
     }
 }
@@ -244,7 +295,7 @@ fn parse_state(map: &HashMap<String, String>) -> State {
             failed: n("c:failed"),
             returned: n("c:returned"),
         },
-        records: 0,
+        records: n("records"),
         final_status: map.get("final").cloned(),
         canary: map.get("canary").cloned(),
     }
@@ -259,7 +310,11 @@ pub(crate) mod testing {
         let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/".into());
         let con = connect(&url).await.expect("redis");
         let ns = format!("unit-{}", uuid::Uuid::new_v4().simple());
-        Store::begin(con, &ns, name, 0, "now")
+        let audit = AuditConfig {
+            sink: Sink::Redis,
+            key_prefix: "idem:".into(),
+        };
+        Store::begin(con, &ns, name, 0, "now", &audit)
             .await
             .expect("begin")
             .0
@@ -268,7 +323,7 @@ pub(crate) mod testing {
     pub(crate) async fn cleanup(s: &mut Store, extra: &[&str]) {
         let k = s.keys().clone();
         let mut cmd = redis::cmd("DEL");
-        cmd.arg(&k.state).arg(&k.audit).arg(&k.settled).arg(extra);
+        cmd.arg(k.all().as_slice()).arg(extra);
         cmd.query_async::<()>(&mut s.con).await.expect("del");
     }
 

@@ -8,7 +8,8 @@ use redis::aio::ConnectionManager;
 use super::{connect, Keys};
 use crate::Error;
 
-/// Set the expiry of a replay's keys (its state hash, settled hash and audit stream) to
+/// Set the expiry of a replay's keys (its state hash, settled hash, audit stream and its
+/// dictionary) to
 /// `seconds` from now: `spec.audit.retentionSeconds`. Returns whether the replay has a state
 /// (`false`: it never began, nothing to expire yet).
 pub async fn retain(
@@ -28,7 +29,7 @@ pub async fn retain(
     };
     let keys = Keys::new(namespace, name, &id);
     let mut p = redis::pipe();
-    for key in [&keys.state, &keys.settled, &keys.audit] {
+    for key in keys.all() {
         p.cmd("EXPIRE").arg(key).arg(seconds).ignore();
     }
     p.query_async::<()>(con).await?;
@@ -133,7 +134,7 @@ mod tests {
     use std::collections::HashMap;
 
     #[tokio::test]
-    async fn retain_expires_the_three_keys_of_a_replay_that_began() {
+    async fn retain_expires_every_key_of_a_replay_that_began() {
         let mut s = store("retain").await;
         let mut con = s.redis();
         let ns = s.keys().state.trim_start_matches("dlq:replay:").to_string();
@@ -148,7 +149,7 @@ mod tests {
         .unwrap();
         assert!(retain(&mut con, ns, name, 3600).await.unwrap());
         let k = s.keys().clone();
-        for key in [&k.state, &k.settled, &k.audit] {
+        for key in k.all() {
             let ttl: i64 = redis::cmd("TTL")
                 .arg(key)
                 .query_async(&mut con)
@@ -171,12 +172,14 @@ mod tests {
             .unwrap();
         assert_eq!(reopen(&mut con, ns, name).await.unwrap(), None);
         s.save_canary("[]").await.unwrap();
-        s.finish(r#"{"phase":"Done"}"#).await.unwrap();
+        s.finish(r#"{"phase":"Done"}"#, true).await.unwrap();
         assert_eq!(
             reopen(&mut con, ns, name).await.unwrap().as_deref(),
             Some("Done")
         );
-        s.finish(r#"{"phase":"CanaryFailed"}"#).await.unwrap();
+        s.finish(r#"{"phase":"CanaryFailed"}"#, false)
+            .await
+            .unwrap();
         assert_eq!(
             reopen(&mut con, ns, name).await.unwrap().as_deref(),
             Some("CanaryFailed")
