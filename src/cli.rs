@@ -575,7 +575,35 @@ async fn plan(args: PlanArgs) -> Result<ExitCode, Error> {
     for (reason, n) in &report.reasons {
         println!("  {n:>6}  {reason}");
     }
+    println!(
+        "{}",
+        redis_line(&report, replay.spec.accepts_redis_eviction())
+    );
     Ok(ExitCode::SUCCESS)
+}
+
+/// What `plan` says of the replay's Redis: what `run` would find there.
+fn redis_line(report: &engine::plan::PlanReport, accepted: bool) -> String {
+    let Some(c) = &report.redis else {
+        let why = report.redis_error.as_deref().unwrap_or("unknown");
+        return format!("redis: not checked ({why}); run refuses to start unless spec.audit.acceptRedisEviction");
+    };
+    let mib = |b: u64| format!("{:.1} MiB", b as f64 / 1_048_576.0);
+    let limit = match c.maxmemory {
+        0 => "no maxmemory".to_string(),
+        m => format!("maxmemory {}", mib(m)),
+    };
+    let verdict = match (&c.risk, accepted) {
+        (None, _) => "ok".to_string(),
+        (Some(r), true) => format!("risk accepted (spec.audit.acceptRedisEviction): {r}"),
+        (Some(r), false) => format!("run would refuse to start: {r}"),
+    };
+    format!(
+        "redis: maxmemory-policy {}, {limit}, used {}; this replay writes up to {} at its peak: {verdict}",
+        c.policy,
+        mib(c.used),
+        mib(c.expected)
+    )
 }
 
 /// What `audit` and `report` read: a manifest (`-f`) and the replay it resolves to, or an audit

@@ -240,6 +240,15 @@ async fn an_evicting_redis_is_refused_unless_the_risk_is_accepted(t: Target) {
     );
     assert_eq!(dbsize(&url).await, 0, "nothing was written");
     assert_eq!(w.peek(&w.topo.dlq).await, before, "nothing moved");
+    // `plan` tells the reviewer so before the manifest is applied.
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_manifest(&dir, &resource);
+    let (code, out, err) = binary(&["plan", "-f", &path, "--redis-url", &url]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("maxmemory-policy allkeys-lru") && out.contains("run would refuse to start"),
+        "{out}"
+    );
 
     // Accepted: it runs, and status and the report say what was accepted.
     let mut accepted = w.manifest(&format!(
@@ -254,7 +263,6 @@ async fn an_evicting_redis_is_refused_unless_the_risk_is_accepted(t: Target) {
         risk.starts_with("accepted") && risk.contains("allkeys-lru"),
         "{risk}"
     );
-    let dir = tempfile::tempdir().unwrap();
     accepted.status = None;
     let path = write_manifest(&dir, &accepted);
     let (code, page, err) =

@@ -451,8 +451,47 @@ fn audit_config(spec: &DlqReplaySpec) -> store::AuditConfig {
     }
 }
 
+/// What the pre-flight finds on the replay's Redis for a replay that decides `messages`
+/// messages: its memory settings, what the replay would write at its peak, and the risk, if any
+/// (see `store::Room`). `run` refuses on a risk; `plan` shows it to the reviewer.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RedisCheck {
+    /// `maxmemory-policy`.
+    pub policy: String,
+    /// `maxmemory` (0: no limit).
+    pub maxmemory: u64,
+    /// `used_memory` now.
+    pub used: u64,
+    /// What the replay would write at its peak, in bytes.
+    pub expected: u64,
+    /// Why it must not run there, if it must not.
+    pub risk: Option<String>,
+}
+
+/// Read the replay's Redis and weigh it against a replay of `messages` decisions.
+pub async fn redis_check(
+    spec: &DlqReplaySpec,
+    con: &mut redis::aio::ConnectionManager,
+    messages: u64,
+) -> Result<RedisCheck, Error> {
+    let room = store::Room::read(con).await?;
+    let claims = spec
+        .idempotency
+        .as_ref()
+        .is_some_and(|i| i.mode == crate::api::IdempotencyMode::Claim);
+    let expected = store::expected_bytes(messages, spec.audit_sink() == AuditSink::Redis, claims);
+    Ok(RedisCheck {
+        risk: room.risk(expected),
+        policy: room.policy,
+        maxmemory: room.maxmemory,
+        used: room.used,
+        expected,
+    })
+}
+
 /// Before anything moves: refuse a Redis whose eviction could take the workers' done marks (see
-/// `store::Room`), unless `spec.audit.acceptRedisEviction` accepts the risk; then the risk is
+/// [`redis_check`]), unless `spec.audit.acceptRedisEviction` accepts the risk; then the risk is
 /// returned, for status and the report to say.
 async fn redis_preflight(
     replay: &Replay,
@@ -461,8 +500,9 @@ async fn redis_preflight(
 ) -> Result<Option<String>, Error> {
     let spec = &replay.spec;
     let accepted = spec.accepts_redis_eviction();
-    let room = match store::Room::read(con).await {
-        Ok(room) => room,
+    let messages = spec.selector.limit.map_or(depth, |l| l.min(depth));
+    let risk = match redis_check(spec, con, messages).await {
+        Ok(check) => check.risk,
         Err(e) if accepted => return Ok(Some(format!("not checked: {e}"))),
         Err(e) => {
             return Err(Error::Config(format!(
@@ -470,13 +510,7 @@ async fn redis_preflight(
             )))
         }
     };
-    let messages = spec.selector.limit.map_or(depth, |l| l.min(depth));
-    let claims = spec
-        .idempotency
-        .as_ref()
-        .is_some_and(|i| i.mode == crate::api::IdempotencyMode::Claim);
-    let expected = store::expected_bytes(messages, spec.audit_sink() == AuditSink::Redis, claims);
-    let Some(risk) = room.risk(expected) else {
+    let Some(risk) = risk else {
         return Ok(None);
     };
     if accepted {

@@ -28,6 +28,12 @@ pub struct PlanReport {
     pub by_signature: BTreeMap<String, Counts>,
     /// How many messages each quarantine or skip reason covers.
     pub reasons: BTreeMap<String, u64>,
+    /// The pre-flight on the replay's Redis for what the replay would decide (`None`: Redis
+    /// would not say, see `redisError`).
+    pub redis: Option<crate::engine::RedisCheck>,
+    /// Why the Redis pre-flight could not be made.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub redis_error: Option<String>,
 }
 
 impl PlanReport {
@@ -64,6 +70,7 @@ pub async fn plan(replay: &Replay) -> Result<PlanReport, Error> {
     }
     .unwrap_or_default();
     let rules = Rules::of(&replay.spec, &replay_id);
+    let mut redis_con = redis.clone();
     let mut scan = Scan::open(&conn, &conn, redis, &replay.amqp_url, queue).await?;
     let mut report = PlanReport {
         depth: scan.depth(),
@@ -119,6 +126,12 @@ pub async fn plan(replay: &Replay) -> Result<PlanReport, Error> {
     }
     resolve(replay, con.as_mut(), &mut pending, &mut report).await?;
     scan.finish().await?;
+    // What `run` would refuse, said to the reviewer before it is applied.
+    let decided = report.counts.scanned - report.counts.skipped;
+    match crate::engine::redis_check(&replay.spec, &mut redis_con, decided).await {
+        Ok(check) => report.redis = Some(check),
+        Err(e) => report.redis_error = Some(e.to_string()),
+    }
     let _ = conn.close(200, "plan done".into()).await;
     Ok(report)
 }
