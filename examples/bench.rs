@@ -20,7 +20,13 @@
 //! The canary section (also classic, RabbitMQ 3.10) drains `BENCH_CANARY_N` messages (default
 //! 100,000; 0 skips it) with the canary off and on, `BENCH_CANARY_REPS` times each (default 2),
 //! while unrelated dead letters arrive into the DLQ at 20/s, and compares the drains' speeds.
-//! `BENCH_SECTIONS` (default `throughput,rate,memory,canary`) picks the parts to run.
+//!
+//! The redis section (classic, RabbitMQ 3.10) measures a replay's footprint in Redis: it replays
+//! `BENCH_REDIS_N` messages (default 100,000; 0 skips it) in Check and Claim mode with the audit
+//! in Redis, and in Check mode with `spec.audit.sink: Log`, and prints per key kind (audit,
+//! settled marks, state, claims, ledger, routes) and for `INFO memory`'s `used_memory` the bytes
+//! per replayed message at the peak (sampled while the replay runs) and after it ends `Done`.
+//! `BENCH_SECTIONS` (default `throughput,rate,memory,redis,canary`) picks the parts to run.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -40,8 +46,13 @@ use serde_json::{json, Value};
 
 const BODY_BYTES: usize = 1024;
 /// The parts of the bench, in order; `BENCH_SECTIONS` picks some.
-const ALL_SECTIONS: [&str; 4] = ["throughput", "rate", "memory", "canary"];
+const ALL_SECTIONS: [&str; 5] = ["throughput", "rate", "memory", "redis", "canary"];
 const NAMESPACE: &str = "bench";
+/// How many idempotency keys the redis section weighs with MEMORY USAGE per sample: tens of
+/// thousands of claims, each one call, would make the sampling itself the load on Redis.
+const CLAIM_SAMPLE: usize = 2000;
+/// The pause between two samples of a replay's Redis keys (each takes its own time on top).
+const REDIS_SAMPLE_EVERY: Duration = Duration::from_millis(300);
 
 /// What a replay run adds to the plain unbounded drain.
 #[derive(Debug, Clone, Copy, Default)]
@@ -55,6 +66,10 @@ struct Extras {
     /// A consumer on the target queue timestamps every arrival (always with a rate or a
     /// canary, which needs a consumer there).
     clock: bool,
+    /// `spec.audit.sink: Log`: the audit rows go to the log instead of a Redis stream.
+    audit_log: bool,
+    /// Weigh the replay's Redis keys while it runs and after it ends (`Run::footprint`).
+    footprint: bool,
 }
 
 /// A failing service's dead letters arriving into the DLQ while a replay runs: jobs published
@@ -85,6 +100,8 @@ struct Run {
     cpu: Option<(f64, f64)>,
     /// CPU seconds spent during the run, by the broker, Redis, this harness and the machine.
     usage: Usage,
+    /// The replay's keys in Redis (with `Extras::footprint`).
+    footprint: Option<Footprint>,
 }
 
 /// CPU seconds so far (a snapshot) or over a run (a difference of two).
@@ -417,6 +434,17 @@ async fn main() {
         println!("\n== memory: skipped (BENCH_SECTIONS)");
     }
 
+    if sections_wanted.contains(&"redis") {
+        let redis_n = env_usize("BENCH_REDIS_N", 100_000);
+        if redis_n == 0 {
+            println!("\n== redis footprint: skipped (BENCH_REDIS_N=0)");
+        } else {
+            redis_section(&mut b, redis_n).await;
+        }
+    } else {
+        println!("\n== redis: skipped (BENCH_SECTIONS)");
+    }
+
     if sections_wanted.contains(&"canary") {
         // Canary with arrivals: the drain's speed with the canary on (its return watch running)
         // against the same drain with it off, while another service's dead letters keep arriving.
@@ -499,6 +527,359 @@ async fn canary_section(b: &mut Bench, n: usize, reps: usize) {
         );
     }
     println!("  drain msg/s = (replayed arrivals on the target after the first - 1) / their time span, from a consumer started before the replay; first drained at = seconds from the process start to the second arrival (with the canary on: after the selection pass over the whole DLQ and the wait)");
+}
+
+/// A replay's footprint in Redis, by key kind: Check and Claim with the audit in Redis, Check
+/// with the audit sent to the log.
+async fn redis_section(b: &mut Bench, n: usize) {
+    let server = redis_info(&mut b.redis, "server").await;
+    let policy: Vec<String> = redis::cmd("CONFIG")
+        .arg("GET")
+        .arg("maxmemory-policy")
+        .query_async(&mut b.redis)
+        .await
+        .unwrap_or_default();
+    println!(
+        "\n== redis footprint (classic DLQ, RabbitMQ 3.10; N = {n}, 10 % duplicates whose keys the bench marked done beforehand (not counted); canary off; Redis {}, maxmemory-policy {})",
+        info_field(&server, "redis_version").unwrap_or("?"),
+        policy.get(1).map(String::as_str).unwrap_or("?")
+    );
+    println!("  B/msg = bytes / replayed messages. Per kind: MEMORY USAGE <key> SAMPLES 0 of the replay's keys (audit: dlq:audit:{NAMESPACE}/<name>/*; settled: dlq:settled:{NAMESPACE}/<name>/*; state: dlq:replay:{NAMESPACE}/<name>; claims: the idempotency keys holding a claim, not the done marks; ledger and routes: dlq:moves:*, dlq:routes:* of the DLQ); used_memory: INFO memory, minus its value just before the replay started. Peak: the largest figure over samples every ~{} ms (plus the sample's own time) while the replay runs and the one after it ends; total's peak is the largest sum within one sample. After Done: once the process exited.", REDIS_SAMPLE_EVERY.as_millis());
+    let base = Section::classic_3_10();
+    for (label, scenario, mode, audit_log) in [
+        ("Check, audit in Redis", "redischeck", "Check", false),
+        ("Claim, audit in Redis", "redisclaim", "Claim", false),
+        ("Check, audit to the log", "redislog", "Check", true),
+    ] {
+        let extras = Extras {
+            audit_log,
+            footprint: true,
+            ..Default::default()
+        };
+        // Before building a DLQ for it: a binary older than `spec.audit.sink` refuses it.
+        if audit_log {
+            if let Err(why) = b.accepts(&base, scenario, mode, extras).await {
+                println!("{label}: not supported by this binary ({why})");
+                continue;
+            }
+        }
+        let (run, _) = b.replay(&base, scenario, n, mode, extras).await;
+        match &run.footprint {
+            Some(f) => print_footprint(label, f),
+            None => println!("{label}: no Redis figures (see PROBLEMS)"),
+        }
+    }
+}
+
+/// One row of the redis section: its table of bytes per replayed message.
+fn print_footprint(label: &str, f: &Footprint) {
+    let (peak, after) = (&f.sampled.peak, &f.after);
+    // Per message of the DLQ too (duplicates included: they have audit rows and settled
+    // marks of their own), to compare with figures taken on a DLQ without duplicates.
+    println!(
+        "{label}: replayed {}, duplicates {}; {} samples; after Done {:.1} MiB in the replay's keys ({:.0} B per DLQ message), used_memory {:+.1} MiB",
+        f.replayed,
+        f.duplicates,
+        f.sampled.samples,
+        after.total() / 1048576.0,
+        after.total() / (f.replayed + f.duplicates).max(1) as f64,
+        (after.used_memory - f.before) / 1048576.0
+    );
+    let per = |bytes: f64| bytes / f.replayed.max(1) as f64;
+    println!(
+        "  {:<14} {:>11} {:>17} {:>15}",
+        "kind", "peak B/msg", "after Done B/msg", "after Done B"
+    );
+    let estimated = peak.claims_estimated || after.claims_estimated;
+    let claims = if estimated { "claims (est.)" } else { "claims" };
+    let mut rows = vec![
+        ("audit", peak.audit, after.audit),
+        ("settled", peak.settled, after.settled),
+        ("state", peak.state, after.state),
+        (claims, peak.claims, after.claims),
+        ("ledger", peak.ledger, after.ledger),
+        ("routes", peak.routes, after.routes),
+    ];
+    // Keys under the run's names that are none of the kinds: none expected, shown if any.
+    if peak.other > 0.0 {
+        rows.push(("other", peak.other, after.other));
+    }
+    rows.push(("total", f.sampled.peak_total, after.total()));
+    rows.push((
+        "used_memory",
+        peak.used_memory - f.before,
+        after.used_memory - f.before,
+    ));
+    for (kind, p, a) in rows {
+        println!("  {kind:<14} {:>11.1} {:>17.1} {a:>15.0}", per(p), per(a));
+    }
+    if estimated {
+        println!("  claims (est.): MEMORY USAGE of a random sample of {CLAIM_SAMPLE} of the keys under the idempotency prefix (done marks included, counting for nothing), times their count over {CLAIM_SAMPLE}");
+    }
+}
+
+/// The names of a replay's keys in Redis, by kind (`ns` being NAMESPACE and `name` the
+/// replay's, as `Replay::state_name()` makes it for the CLI: metadata.name).
+#[derive(Debug, Clone)]
+struct ReplayKeys {
+    /// What all of them contain: the replay's name, which its queues' names and its
+    /// idempotency prefix start with too.
+    name: String,
+    /// `dlq:replay:<ns>/<name>`, a hash.
+    state: String,
+    /// `dlq:audit:<ns>/<name>/`: its streams (and anything the stream keeps beside it) start so.
+    audit: String,
+    /// `dlq:settled:<ns>/<name>/`, a hash per replay id.
+    settled: String,
+    /// The idempotency prefix: the claims and the done marks, `<prefix><32 hex>`.
+    idem: String,
+    /// The ledger (`dlq:moves:<broker>/<queue>`) and the routes (`dlq:routes:...`) of the DLQ
+    /// end with `/<dlq>`.
+    dlq_suffix: String,
+}
+
+impl ReplayKeys {
+    fn new(name: &str, idem: &str, dlq: &str) -> Self {
+        ReplayKeys {
+            name: name.into(),
+            state: store::Keys::state_of(NAMESPACE, name),
+            audit: store::Keys::audit_of(NAMESPACE, name, ""),
+            settled: format!("dlq:settled:{NAMESPACE}/{name}/"),
+            idem: idem.into(),
+            dlq_suffix: format!("/{dlq}"),
+        }
+    }
+
+    /// An idempotency key, `<prefix><32 hex>`: a claim or a done mark.
+    fn is_idem(&self, key: &str) -> bool {
+        key.strip_prefix(&self.idem)
+            .is_some_and(|h| h.len() == 32 && h.bytes().all(|c| c.is_ascii_hexdigit()))
+    }
+}
+
+/// A replay's keys in Redis at one moment, in bytes by kind, with Redis's used_memory.
+#[derive(Debug, Clone, Copy, Default)]
+struct RedisBytes {
+    audit: f64,
+    settled: f64,
+    state: f64,
+    claims: f64,
+    ledger: f64,
+    routes: f64,
+    /// Keys with the replay's name in them that are none of the above.
+    other: f64,
+    /// `INFO memory` used_memory.
+    used_memory: f64,
+    /// The claims were weighed on a sample (more idempotency keys than CLAIM_SAMPLE) that
+    /// held some.
+    claims_estimated: bool,
+}
+
+impl RedisBytes {
+    /// The figure a key of the replay other than an idempotency key counts in.
+    fn kind(&mut self, k: &ReplayKeys, key: &str) -> &mut f64 {
+        if key == k.state {
+            &mut self.state
+        } else if key.starts_with(&k.audit) {
+            &mut self.audit
+        } else if key.starts_with(&k.settled) {
+            &mut self.settled
+        } else if key.starts_with("dlq:moves:") && key.ends_with(&k.dlq_suffix) {
+            &mut self.ledger
+        } else if key.starts_with("dlq:routes:") && key.ends_with(&k.dlq_suffix) {
+            &mut self.routes
+        } else {
+            &mut self.other
+        }
+    }
+
+    fn total(&self) -> f64 {
+        self.audit
+            + self.settled
+            + self.state
+            + self.claims
+            + self.ledger
+            + self.routes
+            + self.other
+    }
+}
+
+/// The samples of one replay: each figure's largest.
+#[derive(Debug, Clone, Copy, Default)]
+struct Sampled {
+    /// Per kind and for used_memory, the largest of any sample.
+    peak: RedisBytes,
+    /// The largest total of one sample (the kinds peak at different moments).
+    peak_total: f64,
+    samples: usize,
+}
+
+impl Sampled {
+    fn add(&mut self, b: &RedisBytes) {
+        let p = &mut self.peak;
+        for (peak, v) in [
+            (&mut p.audit, b.audit),
+            (&mut p.settled, b.settled),
+            (&mut p.state, b.state),
+            (&mut p.claims, b.claims),
+            (&mut p.ledger, b.ledger),
+            (&mut p.routes, b.routes),
+            (&mut p.other, b.other),
+            (&mut p.used_memory, b.used_memory),
+        ] {
+            *peak = peak.max(v);
+        }
+        p.claims_estimated |= b.claims_estimated;
+        self.peak_total = self.peak_total.max(b.total());
+        self.samples += 1;
+    }
+}
+
+/// What the redis section measured of one replay.
+#[derive(Debug, Clone, Copy)]
+struct Footprint {
+    replayed: u64,
+    duplicates: u64,
+    /// used_memory just before the replay started.
+    before: f64,
+    /// While it ran, and the sample after it ended.
+    sampled: Sampled,
+    /// Once the process exited, `Done`.
+    after: RedisBytes,
+}
+
+/// Sample the replay's keys until `stop`; the largest figures seen.
+async fn sample_redis(
+    mut con: ConnectionManager,
+    keys: ReplayKeys,
+    mut stop: tokio::sync::oneshot::Receiver<()>,
+) -> Sampled {
+    let mut sampled = Sampled::default();
+    loop {
+        sampled.add(&redis_bytes(&mut con, &keys).await);
+        tokio::select! {
+            _ = tokio::time::sleep(REDIS_SAMPLE_EVERY) => {}
+            _ = &mut stop => return sampled,
+        }
+    }
+}
+
+/// The replay's keys now, by kind.
+async fn redis_bytes(con: &mut ConnectionManager, k: &ReplayKeys) -> RedisBytes {
+    // First, so that the replies to this sample's own SCAN are not in it.
+    let used_memory = used_memory(&redis_info(con, "memory").await);
+    let mut b = RedisBytes {
+        used_memory,
+        ..Default::default()
+    };
+    // One pass over the keyspace: every key of the replay has its name in it.
+    let (idem_keys, exact): (Vec<String>, Vec<String>) = scan(con, &format!("*{}*", k.name))
+        .await
+        .into_iter()
+        .partition(|key| k.is_idem(key));
+    // None yet, before the replay wrote its first (an empty pipeline is an error).
+    if !exact.is_empty() {
+        let mut p = redis::pipe();
+        for key in &exact {
+            p.cmd("MEMORY").arg("USAGE").arg(key).arg("SAMPLES").arg(0);
+        }
+        // A key gone since the SCAN (an expiry, the end of the replay) weighs nothing.
+        let sizes: Vec<Option<u64>> = p.query_async(con).await.expect("MEMORY USAGE");
+        for (key, size) in exact.iter().zip(sizes) {
+            *b.kind(k, key) += size.unwrap_or(0) as f64;
+        }
+    }
+    // The claims: the idempotency keys whose value is a replay's claim (the done marks the
+    // bench set are the workers', not the replay's), weighed on a random sample.
+    let sample: Vec<&String> = if idem_keys.len() <= CLAIM_SAMPLE {
+        idem_keys.iter().collect()
+    } else {
+        rand::seq::index::sample(&mut rand::rng(), idem_keys.len(), CLAIM_SAMPLE)
+            .into_iter()
+            .map(|i| &idem_keys[i])
+            .collect()
+    };
+    if !sample.is_empty() {
+        let mut p = redis::pipe();
+        for key in &sample {
+            p.cmd("GET").arg(*key);
+            p.cmd("MEMORY").arg("USAGE").arg(*key).arg("SAMPLES").arg(0);
+        }
+        let answers: Vec<(Option<String>, Option<u64>)> =
+            p.query_async(con).await.expect("GET, MEMORY USAGE");
+        let claims: f64 = answers
+            .iter()
+            .filter(|(value, _)| {
+                matches!(
+                    store::Held::of(value.as_deref(), "done"),
+                    store::Held::Published(_) | store::Held::Unconfirmed(_)
+                )
+            })
+            .map(|(_, size)| size.unwrap_or(0) as f64)
+            // Not sum(): that of no claims is -0.0.
+            .fold(0.0, |all, size| all + size);
+        b.claims = claims * idem_keys.len() as f64 / sample.len() as f64;
+        // No claim in the sample (Check mode: only done marks) says none, not an estimate.
+        b.claims_estimated = sample.len() < idem_keys.len() && claims > 0.0;
+    }
+    b
+}
+
+/// Every key matching `pattern`.
+async fn scan(con: &mut ConnectionManager, pattern: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cursor: u64 = 0;
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(5000)
+            .query_async(con)
+            .await
+            .expect("SCAN");
+        out.extend(keys);
+        if next == 0 {
+            return out;
+        }
+        cursor = next;
+    }
+}
+
+/// `INFO <section>` of Redis (empty if it fails).
+async fn redis_info(con: &mut ConnectionManager, section: &str) -> String {
+    redis::cmd("INFO")
+        .arg(section)
+        .query_async(con)
+        .await
+        .unwrap_or_default()
+}
+
+/// A field's value in an `INFO` reply.
+fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
+    info.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+        .map(str::trim)
+}
+
+fn used_memory(info: &str) -> f64 {
+    info_field(info, "used_memory")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// used_memory once Redis has freed what UNLINK left to its background thread (the keys of
+/// the runs before), so that it does not count against the next.
+async fn used_memory_settled(con: &mut ConnectionManager) -> f64 {
+    for _ in 0..100 {
+        let info = redis_info(con, "memory").await;
+        if info_field(&info, "lazyfree_pending_objects") == Some("0") {
+            return used_memory(&info);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    used_memory(&redis_info(con, "memory").await)
 }
 
 impl Bench {
@@ -754,6 +1135,7 @@ impl Bench {
             rss_kib: None,
             cpu: None,
             usage,
+            footprint: None,
         };
         println!(
             "  shovel run {rep}{}: {wall:.2}s, {:.0} msg/s (set_parameter CLI took {:.2}s, {moved_at_return} moved before it returned); broker {:.2} CPU/s; {}",
@@ -779,27 +1161,19 @@ impl Bench {
         let rate = extras.rate;
         let prefix = self.prefix(scenario);
         let topo = self.build_dlq(s, &prefix, n).await;
-        let idem = format!("{prefix}:idem:");
+        let idem = idem_prefix(&prefix);
         let done = if rate.is_none() {
             self.mark_done(&idem, n).await
         } else {
             0
         };
         let name = prefix.clone();
-        let rate_line = rate
-            .map(|r| format!("  rate: {{messagesPerSecond: {r}}}\n"))
-            .unwrap_or_default();
-        let canary = match extras.canary_wait {
-            Some(w) => format!("{{enabled: true, waitSeconds: {w}}}"),
-            None => "{enabled: false}".into(),
-        };
-        let text = format!(
-            "apiVersion: replay.dlq.dev/v1alpha1\nkind: DlqReplay\nmetadata: {{name: {name}, namespace: {NAMESPACE}}}\nspec:\n  broker: {{url: \"{amqp}\"}}\n  source: {{queue: {dlq}}}\n  quarantine: {{queue: {q}}}\n  canary: {canary}\n  idempotency:\n    mode: {mode}\n    key: {{fields: [{{pointer: /id}}], prefix: \"{idem}\"}}\n{rate_line}",
-            amqp = self.brokers[s.broker].amqp,
-            dlq = topo.dlq,
-            q = topo.quarantine,
-        );
-        dlq_replay::manifest::parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        let text = self.manifest(s, &prefix, &topo, mode, extras);
+        // A sink newer than the library this bench was built with is for the binary to judge:
+        // the redis section asked it first (`Bench::accepts`).
+        if !extras.audit_log {
+            dlq_replay::manifest::parse(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        }
         let file = self.tmp.path().join(format!("{scenario}.yaml"));
         std::fs::write(&file, &text).expect("manifest");
 
@@ -836,9 +1210,26 @@ impl Bench {
             .env_remove("AMQP_URL")
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
+        // The replay's keys in Redis: used_memory just before it starts (the done marks are
+        // written by then), then a sample every REDIS_SAMPLE_EVERY while it runs.
+        let keys = extras
+            .footprint
+            .then(|| ReplayKeys::new(&name, &idem, &topo.dlq));
+        let before = if keys.is_some() {
+            Some(used_memory_settled(&mut self.redis).await)
+        } else {
+            None
+        };
         let usage0 = self.cpu(s);
         let started = Instant::now();
         let child = cmd.spawn().expect("spawn dlq-replay");
+        let sampler = keys.clone().map(|k| {
+            let (stop, stopped) = tokio::sync::oneshot::channel();
+            (
+                stop,
+                tokio::spawn(sample_redis(self.redis.clone(), k, stopped)),
+            )
+        });
         let pid = child.id();
         let hwm = (!self.time_rss).then(|| tokio::spawn(poll_hwm(pid.unwrap_or(0))));
         let out = tokio::time::timeout(
@@ -850,6 +1241,25 @@ impl Bench {
         .expect("dlq-replay output");
         let wall = started.elapsed().as_secs_f64();
         let usage = self.cpu(s) - usage0;
+        // After the end (the process exited with its final status), before the cleanup below.
+        let measured = match (sampler, keys, before) {
+            (Some((stop, task)), Some(k), Some(before)) => {
+                let _ = stop.send(());
+                match task.await {
+                    Ok(mut sampled) => {
+                        let after = redis_bytes(&mut self.redis, &k).await;
+                        sampled.add(&after);
+                        Some((before, sampled, after))
+                    }
+                    Err(e) => {
+                        self.problems
+                            .push(format!("{prefix}: sampling Redis failed: {e}"));
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
         let unrelated = match unrelated {
             Some(u) => Some(u.stop().await),
             None => None,
@@ -913,19 +1323,31 @@ impl Bench {
             rss_kib,
             cpu,
             usage,
+            footprint: measured.map(|(before, sampled, after)| Footprint {
+                replayed,
+                duplicates: dups,
+                before,
+                sampled,
+                after,
+            }),
         };
         let cpu_text = run
             .cpu
             .map(|(u, s)| format!("user {u:.2}s sys {s:.2}s ({:.2} CPU/s)", (u + s) / wall))
             .unwrap_or_else(|| "cpu n/a".into());
         println!(
-            "  {scenario} ({mode}{}{}{}): {wall:.2}s, {:.0} msg/s, replayed {replayed}, duplicates {dups}, skipped {}, peak RSS {}, {cpu_text}; broker {:.2} CPU/s, Redis {:.2} CPU/s; {}",
+            "  {scenario} ({mode}{}{}{}{}): {wall:.2}s, {:.0} msg/s, replayed {replayed}, duplicates {dups}, skipped {}, peak RSS {}, {cpu_text}; broker {:.2} CPU/s, Redis {:.2} CPU/s; {}",
             rate.map(|r| format!(", {r}/s")).unwrap_or_default(),
             match (extras.canary_wait, unrelated) {
                 (Some(w), Some(u)) => format!(", canary {w}s, {u} unrelated dead letters arrived"),
                 (None, Some(u)) => format!(", canary off, {u} unrelated dead letters arrived"),
                 (Some(w), None) => format!(", canary {w}s"),
                 (None, None) => String::new(),
+            },
+            if extras.audit_log {
+                ", audit to the log"
+            } else {
+                ""
             },
             s.note(),
             run.rate(),
@@ -936,6 +1358,71 @@ impl Bench {
             run.machine_text()
         );
         (run, arrivals)
+    }
+
+    /// The manifest of a replay named `prefix` of `topo`'s DLQ (metadata.name is the prefix).
+    fn manifest(
+        &self,
+        s: &Section,
+        prefix: &str,
+        topo: &Topology,
+        mode: &str,
+        extras: Extras,
+    ) -> String {
+        let rate_line = extras
+            .rate
+            .map(|r| format!("  rate: {{messagesPerSecond: {r}}}\n"))
+            .unwrap_or_default();
+        let audit_line = if extras.audit_log {
+            "  audit: {sink: Log}\n"
+        } else {
+            ""
+        };
+        let canary = match extras.canary_wait {
+            Some(w) => format!("{{enabled: true, waitSeconds: {w}}}"),
+            None => "{enabled: false}".into(),
+        };
+        format!(
+            "apiVersion: replay.dlq.dev/v1alpha1\nkind: DlqReplay\nmetadata: {{name: {prefix}, namespace: {NAMESPACE}}}\nspec:\n  broker: {{url: \"{amqp}\"}}\n  source: {{queue: {dlq}}}\n  quarantine: {{queue: {q}}}\n  canary: {canary}\n  idempotency:\n    mode: {mode}\n    key: {{fields: [{{pointer: /id}}], prefix: \"{idem}\"}}\n{rate_line}{audit_line}",
+            amqp = self.brokers[s.broker].amqp,
+            dlq = topo.dlq,
+            q = topo.quarantine,
+            idem = idem_prefix(prefix),
+        )
+    }
+
+    /// Whether the binary takes the manifest `replay` would run for `scenario` (a spec field
+    /// newer than the binary is refused); Err holds its refusal. Asked before the DLQ is built:
+    /// `dlq-replay audit -f` reads the manifest first and contacts no broker.
+    async fn accepts(
+        &self,
+        s: &Section,
+        scenario: &str,
+        mode: &str,
+        extras: Extras,
+    ) -> Result<(), String> {
+        let prefix = self.prefix(scenario);
+        let topo = Topology::named(&prefix).of_type(s.queue_type);
+        let file = self.tmp.path().join(format!("{scenario}-probe.yaml"));
+        std::fs::write(&file, self.manifest(s, &prefix, &topo, mode, extras)).expect("manifest");
+        let out = tokio::process::Command::new(&self.bin)
+            .args(["audit", "-f"])
+            .arg(&file)
+            .env("REDIS_URL", &self.redis_url)
+            .env_remove("AMQP_URL")
+            .output()
+            .await
+            .expect("spawn dlq-replay");
+        // A manifest it refuses is said `error: <file>: <field>: <why>`; any other outcome (this
+        // replay has never run) means it parsed it.
+        let refused = format!("error: {}: ", file.display());
+        match String::from_utf8_lossy(&out.stderr)
+            .lines()
+            .find_map(|l| l.strip_prefix(refused.as_str()))
+        {
+            Some(why) => Err(why.to_string()),
+            None => Ok(()),
+        }
     }
 
     /// One rate-limited replay; returns its row of the rate table.
@@ -1175,6 +1662,7 @@ async fn header(
         "BENCH_RUN_ARGS",
         "BENCH_QUEUES",
         "BENCH_BROKERS",
+        "BENCH_REDIS_N",
     ]
     .iter()
     .map(|k| {
@@ -1314,6 +1802,11 @@ fn enable_shovel(broker: &Broker) {
         "rabbitmq_shovel: enabled now ({:.1}s)",
         t.elapsed().as_secs_f64()
     );
+}
+
+/// The idempotency prefix of the replay named `prefix`: its claims and done marks start so.
+fn idem_prefix(prefix: &str) -> String {
+    format!("{prefix}:idem:")
 }
 
 fn job_id(i: usize) -> String {

@@ -267,6 +267,55 @@ async fn a_missing_secret_keeps_it_pending_until_the_secret_exists(c: &Cluster) 
     w.cleanup().await;
 }
 
+async fn an_evicting_redis_keeps_it_pending_until_its_policy_changes(c: &Cluster) {
+    let w = World::new("ctl-evict").await;
+    w.dead_letter((0..5).map(|i| job(&format!("v{i}"), json!({}))).collect())
+        .await;
+    let redis = support::faults::OwnRedis::start_with(&[
+        "--maxmemory",
+        "64mb",
+        "--maxmemory-policy",
+        "allkeys-lru",
+    ]);
+    c.put_secret(c.ns(), "rabbitmq", &[("url", AMQP)]).await;
+    c.put_secret(c.ns(), "redis", &[("url", &redis.url())])
+        .await;
+    let (_op, _stop) = operator(c);
+    let api = replays(c);
+    api.create(&PostParams::default(), &resource(&w, c.ns(), "evict", ""))
+        .await
+        .unwrap();
+    let said = |r: &DlqReplay| {
+        r.status
+            .as_ref()
+            .and_then(|s| s.message.clone())
+            .unwrap_or_default()
+    };
+    let r = wait_for(&api, "evict", "Pending on the eviction policy", |r| {
+        phase(r) == Some(Phase::Pending) && said(r).contains("allkeys-lru")
+    })
+    .await;
+    assert!(
+        said(&r).contains("spec.audit.acceptRedisEviction"),
+        "{}",
+        said(&r)
+    );
+    assert_eq!(w.depth(&w.topo.dlq).await, 5, "nothing moved");
+    // The Redis's owner changes the policy: the replay goes on by itself.
+    let mut admin = dlq_replay::engine::store::connect(&redis.url())
+        .await
+        .unwrap();
+    redis::cmd("CONFIG")
+        .arg(["SET", "maxmemory-policy", "noeviction"].as_slice())
+        .query_async::<()>(&mut admin)
+        .await
+        .unwrap();
+    let r = wait_for(&api, "evict", "Done", |r| phase(r) == Some(Phase::Done)).await;
+    let s = r.status.unwrap();
+    assert_eq!((s.counts.replayed, s.redis_eviction_risk), (5, None));
+    w.cleanup().await;
+}
+
 async fn a_second_replay_of_the_same_queue_waits_source_busy(c: &Cluster) {
     let w = World::new("ctl-busy").await;
     w.dead_letter((0..40).map(|i| job(&format!("b{i}"), json!({}))).collect())
@@ -1321,6 +1370,7 @@ macro_rules! scenarios {
 scenarios!(
     apply_runs_the_replay_to_done_with_correct_counts_and_events,
     a_missing_secret_keeps_it_pending_until_the_secret_exists,
+    an_evicting_redis_keeps_it_pending_until_its_policy_changes,
     a_second_replay_of_the_same_queue_waits_source_busy,
     suspend_pauses_after_in_flight_settles_and_resume_finishes,
     deleting_mid_drain_stops_cleanly_and_loses_nothing,

@@ -5,11 +5,10 @@
 
 mod support;
 
-use std::time::Duration;
-
 use dlq_replay::api::{AuditSink, DlqReplay, Phase};
 use dlq_replay::engine::{self, store};
 use serde_json::json;
+use support::faults::OwnRedis;
 use support::*;
 use tokio_util::sync::CancellationToken;
 
@@ -167,48 +166,6 @@ async fn an_audit_sent_to_the_log_is_read_back_from_it(t: Target) {
     w.cleanup().await;
 }
 
-/// A Redis server of the test's own (`args` added), stopped when dropped.
-struct OwnRedis {
-    child: std::process::Child,
-    port: u16,
-}
-
-impl OwnRedis {
-    fn start(args: &[&str]) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let child = std::process::Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-            .args(["--save", "", "--appendonly", "no"])
-            .args(args)
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .expect("redis-server");
-        let me = Self { child, port };
-        for _ in 0..100 {
-            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                return me;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        panic!("redis-server on {port} did not answer");
-    }
-
-    fn url(&self, user: &str) -> String {
-        format!("redis://{user}127.0.0.1:{}/", self.port)
-    }
-}
-
-impl Drop for OwnRedis {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 async fn dbsize(url: &str) -> u64 {
     let mut con = store::connect(url).await.unwrap();
     redis::cmd("DBSIZE").query_async(&mut con).await.unwrap()
@@ -216,8 +173,8 @@ async fn dbsize(url: &str) -> u64 {
 
 matrix!(an_evicting_redis_is_refused_unless_the_risk_is_accepted);
 async fn an_evicting_redis_is_refused_unless_the_risk_is_accepted(t: Target) {
-    let redis = OwnRedis::start(&["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"]);
-    let url = redis.url("");
+    let redis = OwnRedis::start_with(&["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"]);
+    let url = redis.url();
     let w = World::on("evict", &t).await;
     let jobs: Vec<_> = (0..6).map(|i| job(&format!("e{i}"), json!({}))).collect();
     w.dead_letter(jobs).await;
@@ -275,14 +232,14 @@ async fn an_evicting_redis_is_refused_unless_the_risk_is_accepted(t: Target) {
 #[tokio::test]
 async fn the_pre_flight_reads_a_redis_that_refuses_config() {
     // A managed Redis's user: INFO allowed, CONFIG refused. The policy is read from INFO.
-    let redis = OwnRedis::start(&["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lfu"]);
-    let mut admin = store::connect(&redis.url("")).await.unwrap();
+    let redis = OwnRedis::start_with(&["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lfu"]);
+    let mut admin = store::connect(&redis.url()).await.unwrap();
     redis::cmd("ACL")
         .arg(["SETUSER", "app", "on", ">pw", "~*", "+@all", "-config"].as_slice())
         .query_async::<()>(&mut admin)
         .await
         .unwrap();
-    let mut app = store::connect(&redis.url("app:pw@")).await.unwrap();
+    let mut app = store::connect(&redis.url_as("app", "pw")).await.unwrap();
     let refused: Result<Vec<String>, _> = redis::cmd("CONFIG")
         .arg(["GET", "maxmemory-policy"].as_slice())
         .query_async(&mut app)
@@ -306,7 +263,7 @@ async fn the_pre_flight_reads_a_redis_that_refuses_config() {
         .query_async::<()>(&mut admin)
         .await
         .unwrap();
-    let mut blind = store::connect(&redis.url("blind:pw@")).await.unwrap();
+    let mut blind = store::connect(&redis.url_as("blind", "pw")).await.unwrap();
     let why = store::Room::read(&mut blind).await.unwrap_err().to_string();
     assert!(why.contains("INFO memory"), "{why}");
 }

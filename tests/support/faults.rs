@@ -570,12 +570,19 @@ pub struct OwnRedis {
     pub port: u16,
     dir: tempfile::TempDir,
     child: Option<std::process::Child>,
+    /// More `redis-server` arguments, e.g. a `maxmemory-policy`.
+    extra: Vec<String>,
 }
 
 impl OwnRedis {
     /// Start one that writes every change to its append-only file before answering (so a
     /// `kill -9` loses nothing it acknowledged), like a production Redis holding claims should.
     pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// [`OwnRedis::start`] with more `redis-server` arguments.
+    pub fn start_with(extra: &[&str]) -> Self {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .map(|a| a.port())
@@ -584,6 +591,7 @@ impl OwnRedis {
             port,
             dir: tempfile::tempdir().expect("tempdir"),
             child: None,
+            extra: extra.iter().map(|a| a.to_string()).collect(),
         };
         r.spawn();
         r
@@ -591,6 +599,11 @@ impl OwnRedis {
 
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// The URL as `user` with `password` (an ACL user).
+    pub fn url_as(&self, user: &str, password: &str) -> String {
+        format!("redis://{user}:{password}@127.0.0.1:{}/", self.port)
     }
 
     fn spawn(&mut self) {
@@ -606,6 +619,7 @@ impl OwnRedis {
             ])
             .arg("--dir")
             .arg(self.dir.path())
+            .args(&self.extra)
             .stdout(Stdio::null())
             .spawn()
             .expect("redis-server");
