@@ -579,6 +579,45 @@ pub struct Counts {
     pub returned: u64,
 }
 
+impl Counts {
+    /// The fields by name, as status spells them: the one list the store, the metrics and the
+    /// engine's sums go by.
+    pub fn by_field(&self) -> [(&'static str, u64); 7] {
+        [
+            ("scanned", self.scanned),
+            ("replayed", self.replayed),
+            ("duplicates", self.duplicates),
+            ("quarantined", self.quarantined),
+            ("skipped", self.skipped),
+            ("failed", self.failed),
+            ("returned", self.returned),
+        ]
+    }
+
+    /// The field named `name` (as [`Counts::by_field`] names it).
+    pub fn field_mut(&mut self, name: &str) -> Option<&mut u64> {
+        Some(match name {
+            "scanned" => &mut self.scanned,
+            "replayed" => &mut self.replayed,
+            "duplicates" => &mut self.duplicates,
+            "quarantined" => &mut self.quarantined,
+            "skipped" => &mut self.skipped,
+            "failed" => &mut self.failed,
+            "returned" => &mut self.returned,
+            _ => return None,
+        })
+    }
+
+    /// Add `other`, field by field.
+    pub fn add(&mut self, other: &Counts) {
+        for (name, n) in other.by_field() {
+            if let Some(f) = self.field_mut(name) {
+                *f += n;
+            }
+        }
+    }
+}
+
 /// One canary.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -845,4 +884,28 @@ fn schema_node<'a>(
             JSONSchemaPropsOrArray::Schemas(_) => None,
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Counts;
+
+    #[test]
+    fn every_count_field_is_named_once_and_addressed_by_its_name() {
+        let mut c = Counts::default();
+        for (i, (name, _)) in Counts::default().by_field().into_iter().enumerate() {
+            *c.field_mut(name).expect(name) = i as u64 + 1;
+        }
+        let values: Vec<u64> = c.by_field().iter().map(|(_, n)| *n).collect();
+        assert_eq!(values, (1..=7).collect::<Vec<_>>(), "{c:?}");
+        // The names are status's own (camelCase serde names).
+        let json = serde_json::to_value(c).unwrap();
+        for (name, n) in c.by_field() {
+            assert_eq!(json[name], n, "{name}");
+        }
+        let mut sum = c;
+        sum.add(&c);
+        assert_eq!(sum.returned, 2 * c.returned);
+        assert_eq!(sum.scanned, 2);
+    }
 }

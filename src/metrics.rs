@@ -313,7 +313,7 @@ impl Metrics {
             seen.phase = Some(phase);
         }
         let c = &status.counts;
-        for (of, value) in Self::count_fields(c) {
+        for (of, value) in c.by_field() {
             let label = ReplayCountLabel {
                 namespace: ns.clone(),
                 name: n.clone(),
@@ -368,18 +368,6 @@ impl Metrics {
         }
     }
 
-    fn count_fields(c: &crate::api::Counts) -> [(&'static str, u64); 7] {
-        [
-            ("scanned", c.scanned),
-            ("replayed", c.replayed),
-            ("duplicates", c.duplicates),
-            ("quarantined", c.quarantined),
-            ("skipped", c.skipped),
-            ("failed", c.failed),
-            ("returned", c.returned),
-        ]
-    }
-
     /// Remove one replay's per-replay series (it was deleted).
     pub fn forget_replay(&self, namespace: &str, name: &str) {
         let mut all = self.replay_series.lock().unwrap_or_else(|p| p.into_inner());
@@ -394,7 +382,7 @@ impl Metrics {
                 phase,
             });
         }
-        for (of, _) in Self::count_fields(&crate::api::Counts::default()) {
+        for (of, _) in crate::api::Counts::default().by_field() {
             self.replay_messages.remove(&ReplayCountLabel {
                 namespace: ns.clone(),
                 name: n.clone(),

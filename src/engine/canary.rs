@@ -23,7 +23,7 @@ use crate::engine::now;
 use crate::engine::publish::{self, Publisher};
 use crate::engine::scan::Scan;
 use crate::engine::source;
-use crate::engine::store::{AuditRow, ClaimEnd, Held, Store};
+use crate::engine::store::{AuditRow, ClaimEnd, Decision, Held, Store};
 use crate::engine::watch::{self, Returned, Returns};
 use crate::Error;
 
@@ -363,8 +363,8 @@ async fn publish_canaries(
             messages: c.messages,
         };
         let decision = match &res {
-            Ok(()) => "replayed",
-            Err(_) => "failed",
+            Ok(()) => Decision::Replayed,
+            Err(_) => Decision::Failed,
         };
         if let (Some(_), Some(k)) = (claiming, &c.key) {
             // Like the drain's: a confirmed publish marks the claim published, a failed one
@@ -384,7 +384,7 @@ async fn publish_canaries(
             watch.delta.replayed += 1;
             settled.push((
                 message::fingerprint(props, &c.delivery.data),
-                "replayed".to_string(),
+                Decision::Replayed.as_str().to_string(),
             ));
             if let Some(k) = &c.key {
                 settled.push((format!("key:{k}"), identity.clone()));
@@ -395,7 +395,7 @@ async fn publish_canaries(
         rows.push(AuditRow {
             replay: replay_id.into(),
             message: identity.clone(),
-            decision: decision.into(),
+            decision: decision.as_str().into(),
             key: c.key.clone().unwrap_or_default(),
             reason: res.err().unwrap_or_default(),
             destination: format!("{}/{}", c.destination.exchange, c.destination.routing_key),

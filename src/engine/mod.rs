@@ -554,7 +554,7 @@ async fn canary_phase(
     if !spec.canary.enabled {
         return Ok(CanaryEnd::Drain(proven::Proven::All));
     }
-    let claim_value = format!("{}/{}", state.replay_id, state.attempt);
+    let claim_value = store::claim_value(&state.replay_id, state.attempt);
     let mut redis = store.redis();
     let ground = canary::Ground {
         conn,
@@ -747,11 +747,5 @@ pub fn summary(c: &Counts) -> String {
 }
 
 pub(crate) fn add(c: &mut Counts, d: &Counts) {
-    c.scanned += d.scanned;
-    c.replayed += d.replayed;
-    c.duplicates += d.duplicates;
-    c.quarantined += d.quarantined;
-    c.skipped += d.skipped;
-    c.failed += d.failed;
-    c.returned += d.returned;
+    c.add(d);
 }

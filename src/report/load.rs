@@ -76,12 +76,12 @@ pub fn status_of(state: &store::State, key: &str) -> Result<DlqReplayStatus, Err
 pub fn counts_of(rows: &[AuditRow]) -> crate::api::Counts {
     let mut c = crate::api::Counts::default();
     for r in rows {
-        match r.decision.as_str() {
-            "replayed" => c.replayed += 1,
-            "duplicate" => c.duplicates += 1,
-            "quarantined" => c.quarantined += 1,
-            "failed" => c.failed += 1,
-            _ => continue,
+        match store::Decision::parse(&r.decision) {
+            Some(store::Decision::Replayed) => c.replayed += 1,
+            Some(store::Decision::Duplicate) => c.duplicates += 1,
+            Some(store::Decision::Quarantined) => c.quarantined += 1,
+            Some(store::Decision::Failed) => c.failed += 1,
+            None => continue,
         }
         c.scanned += 1;
     }

@@ -191,7 +191,7 @@ impl<'a> Drain<'a> {
         Self {
             replay,
             replay_id: state.replay_id.clone(),
-            claim_value: format!("{}/{}", state.replay_id, state.attempt),
+            claim_value: store::claim_value(&state.replay_id, state.attempt),
             source: Some(source),
             publisher,
             gate_store: store.clone(),

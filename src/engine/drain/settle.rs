@@ -4,7 +4,7 @@
 use super::{Act, Drain, Item};
 use crate::api::Counts;
 use crate::engine::keep;
-use crate::engine::store::{self, AuditRow, Store};
+use crate::engine::store::{self, AuditRow, Decision, Store};
 use crate::engine::{add, now};
 use crate::Error;
 
@@ -190,7 +190,7 @@ impl Drain<'_> {
                 Act::Leftover => {
                     delta.duplicates += 1;
                     (
-                        "duplicate",
+                        Decision::Duplicate,
                         "LeftoverCopy: a second copy of a message this pass already met, left by an interrupted move".to_string(),
                         String::new(),
                     )
@@ -203,7 +203,7 @@ impl Drain<'_> {
                         }
                     }
                     (
-                        "replayed",
+                        Decision::Replayed,
                         String::new(),
                         format!("{}/{}", d.exchange, d.routing_key),
                     )
@@ -211,14 +211,14 @@ impl Drain<'_> {
                 Act::Quarantined(r) => {
                     delta.quarantined += 1;
                     (
-                        "quarantined",
+                        Decision::Quarantined,
                         r.clone(),
                         self.replay.spec.quarantine.queue.clone(),
                     )
                 }
                 Act::Duplicate { reason, .. } => {
                     delta.duplicates += 1;
-                    ("duplicate", reason.clone(), String::new())
+                    (Decision::Duplicate, reason.clone(), String::new())
                 }
                 Act::Failed(r) => {
                     if claiming {
@@ -232,7 +232,7 @@ impl Drain<'_> {
                         continue;
                     }
                     delta.failed += 1;
-                    ("failed", r.clone(), String::new())
+                    (Decision::Failed, r.clone(), String::new())
                 }
                 Act::Unknown(why) => {
                     unknown += 1;
@@ -251,11 +251,11 @@ impl Drain<'_> {
                 Act::Replay(_) | Act::Quarantine(_) => continue,
             };
             delta.scanned += 1;
-            if decision != "failed" {
+            if decision != Decision::Failed {
                 if !matches!(item.act, Act::Leftover) {
-                    settled.push((item.fingerprint.clone(), decision.to_string()));
+                    settled.push((item.fingerprint.clone(), decision.as_str().to_string()));
                 }
-                if decision == "replayed" {
+                if decision == Decision::Replayed {
                     if let Some(k) = &item.key {
                         settled.push((format!("key:{k}"), item.identity.clone()));
                     }
@@ -266,7 +266,7 @@ impl Drain<'_> {
                 id: String::new(),
                 replay: self.replay_id.clone(),
                 message: item.identity.clone(),
-                decision: decision.into(),
+                decision: decision.as_str().into(),
                 key: item.key.clone().unwrap_or_default(),
                 reason,
                 destination,

@@ -187,28 +187,22 @@ impl Store {
             };
             inv.key(&c.key).arg(&c.value).arg(confirmed);
         }
-        let counts: Vec<_> = count_fields(delta)
+        let counts: Vec<_> = delta
+            .by_field()
             .into_iter()
             .filter(|(_, n)| *n > 0)
             .collect();
         inv.arg(counts.len());
-        for (field, n) in counts {
-            inv.arg(field).arg(n);
+        for (name, n) in counts {
+            inv.arg(count_field(name)).arg(n);
         }
         (inv, defined)
     }
 }
 
-fn count_fields(c: &Counts) -> [(&'static str, u64); 7] {
-    [
-        ("c:scanned", c.scanned),
-        ("c:replayed", c.replayed),
-        ("c:duplicates", c.duplicates),
-        ("c:quarantined", c.quarantined),
-        ("c:skipped", c.skipped),
-        ("c:failed", c.failed),
-        ("c:returned", c.returned),
-    ]
+/// A count's field in the state hash.
+pub(super) fn count_field(name: &str) -> String {
+    format!("c:{name}")
 }
 
 #[cfg(test)]

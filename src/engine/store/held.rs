@@ -1,5 +1,11 @@
 //! What an idempotency key's value means, to every reader of the store.
 
+/// The value a replay attempt claims its keys with (`<replay id>/<attempt>`): [`Held::of`]
+/// reads it back.
+pub fn claim_value(replay_id: &str, attempt: u64) -> String {
+    format!("{replay_id}/{attempt}")
+}
+
 /// The value a claim takes once its publish is confirmed.
 pub fn confirmed_claim(claim: &str) -> String {
     format!("{claim}{PUBLISHED}")
@@ -66,7 +72,7 @@ mod tests {
     #[test]
     fn a_claim_is_published_only_once_marked_so() {
         let id = "0123456789abcdef0123456789abcdef";
-        let claim = format!("{id}/2");
+        let claim = claim_value(id, 2);
         assert_eq!(Held::of(None, "done"), Held::Free);
         assert_eq!(Held::of(Some("done"), "done"), Held::Done);
         assert_eq!(

@@ -27,7 +27,7 @@ use crate::Error;
 
 pub use audit::{read_audit, rows_of_log, AuditRow, Decision, Sink};
 pub use commit::ClaimEnd;
-pub use held::{confirmed_claim, Held};
+pub use held::{claim_value, confirmed_claim, Held};
 pub use lookup::Lookup;
 pub use retain::{reopen, retain, retention};
 use retry::Retries;
@@ -286,14 +286,14 @@ fn parse_state(map: &HashMap<String, String>) -> State {
         attempt: n("attempt"),
         depth_at_start: n("depthAtStart"),
         started_at: map.get("startedAt").cloned().unwrap_or_default(),
-        counts: Counts {
-            scanned: n("c:scanned"),
-            replayed: n("c:replayed"),
-            duplicates: n("c:duplicates"),
-            quarantined: n("c:quarantined"),
-            skipped: n("c:skipped"),
-            failed: n("c:failed"),
-            returned: n("c:returned"),
+        counts: {
+            let mut c = Counts::default();
+            for (name, _) in Counts::default().by_field() {
+                if let Some(f) = c.field_mut(name) {
+                    *f = n(&commit::count_field(name));
+                }
+            }
+            c
         },
         records: n("records"),
         final_status: map.get("final").cloned(),
