@@ -2,7 +2,7 @@
 
 use std::process::ExitCode;
 
-use super::{resolve, AuditArgs, AuditFormat, Endpoints, ReportArgs};
+use super::{resolve, AuditArgs, AuditFormat, Endpoints, ReportArgs, TrailArgs};
 use crate::api::DlqReplay;
 use crate::engine::{store, Replay};
 use crate::{manifest, Error};
@@ -16,12 +16,9 @@ enum AuditSource {
 
 /// Where `audit` and `report` read, and the Redis that holds it: the manifest's (`-f`), else
 /// `--redis-url` / `REDIS_URL` (`--key` alone).
-fn audit_source(
-    file: Option<&str>,
-    key: Option<&str>,
-    endpoints: &Endpoints,
-) -> Result<(String, AuditSource), Error> {
-    match (file, key) {
+fn audit_source(trail: &TrailArgs) -> Result<(String, AuditSource), Error> {
+    let endpoints = &trail.endpoints;
+    match (trail.file.as_deref(), trail.key.as_deref()) {
         (Some(f), _) => {
             let resource = manifest::load(f)?;
             // The broker is not contacted: any URL satisfies the manifest's broker check.
@@ -43,9 +40,8 @@ fn audit_source(
 }
 
 pub(super) async fn audit(args: AuditArgs) -> Result<ExitCode, Error> {
-    let (redis_url, source) =
-        audit_source(args.file.as_deref(), args.key.as_deref(), &args.endpoints)?;
-    let key = match (args.key, source) {
+    let (redis_url, source) = audit_source(&args.trail)?;
+    let key = match (args.trail.key.clone(), source) {
         (Some(k), _) | (None, AuditSource::Key(k)) => k,
         (None, AuditSource::Manifest(m)) => {
             let replay = &m.1;
@@ -61,7 +57,7 @@ pub(super) async fn audit(args: AuditArgs) -> Result<ExitCode, Error> {
             store::Keys::audit_of(&replay.namespace, &replay.state_name(), &state.replay_id)
         }
     };
-    let rows = match &args.log {
+    let rows = match &args.trail.log {
         Some(path) => store::rows_of_log(&read_log(path)?, key.rsplit('/').next()),
         None => {
             let mut con = store::connect(&redis_url).await?;
@@ -75,8 +71,7 @@ pub(super) async fn audit(args: AuditArgs) -> Result<ExitCode, Error> {
 
 pub(super) async fn report(args: ReportArgs) -> Result<ExitCode, Error> {
     use crate::report;
-    let (redis_url, source) =
-        audit_source(args.file.as_deref(), args.key.as_deref(), &args.endpoints)?;
+    let (redis_url, source) = audit_source(&args.trail)?;
     let meta = match source {
         AuditSource::Manifest(m) => report::load::meta_of(&m.0),
         AuditSource::Key(k) => {
@@ -93,8 +88,8 @@ pub(super) async fn report(args: ReportArgs) -> Result<ExitCode, Error> {
         }
     };
     let (meta, status, mut rows) =
-        report::load::load(&redis_url, meta, args.key.as_deref()).await?;
-    if let Some(path) = &args.log {
+        report::load::load(&redis_url, meta, args.trail.key.as_deref()).await?;
+    if let Some(path) = &args.trail.log {
         rows = store::rows_of_log(&read_log(path)?, status.replay_id.as_deref());
     }
     let mut model = report::Report::build(meta, &status, &rows);

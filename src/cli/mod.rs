@@ -200,13 +200,15 @@ pub enum AuditFormat {
     Csv,
 }
 
-/// `audit` arguments.
+/// Which replay's audit trail `audit` and `report` read, and from where: one definition for
+/// both commands (a manifest, or an audit key; Redis, or a log).
 #[derive(Args, Debug)]
-pub struct AuditArgs {
-    /// The DlqReplay manifest whose audit trail to export.
+pub struct TrailArgs {
+    /// The DlqReplay manifest of the replay.
     #[arg(short = 'f', long = "filename", required_unless_present = "key")]
     pub file: Option<String>,
-    /// The audit stream key (status.audit.key) instead of a manifest.
+    /// The audit stream key (status.audit.key) instead of a manifest; with both, the key names
+    /// the run and the manifest the replay.
     #[arg(long)]
     pub key: Option<String>,
     /// Read the rows from this log (`-`: standard input) instead of Redis: for a replay with
@@ -215,6 +217,13 @@ pub struct AuditArgs {
     pub log: Option<String>,
     #[command(flatten)]
     pub endpoints: Endpoints,
+}
+
+/// `audit` arguments.
+#[derive(Args, Debug)]
+pub struct AuditArgs {
+    #[command(flatten)]
+    pub trail: TrailArgs,
     /// Export format.
     #[arg(long, value_enum, default_value_t)]
     pub format: AuditFormat,
@@ -223,18 +232,8 @@ pub struct AuditArgs {
 /// `report` arguments.
 #[derive(Args, Debug)]
 pub struct ReportArgs {
-    /// The DlqReplay manifest whose report to write.
-    #[arg(short = 'f', long = "filename", required_unless_present = "key")]
-    pub file: Option<String>,
-    /// The audit stream key (status.audit.key) instead of a manifest.
-    #[arg(long)]
-    pub key: Option<String>,
-    /// Read the rows from this log (`-`: standard input) instead of Redis: for a replay with
-    /// `spec.audit.sink: Log`, its JSON lines as the log collector kept them.
-    #[arg(long, value_name = "FILE")]
-    pub log: Option<String>,
     #[command(flatten)]
-    pub endpoints: Endpoints,
+    pub trail: TrailArgs,
     /// Page format.
     #[arg(long, value_enum, default_value_t)]
     pub format: crate::report::Format,
