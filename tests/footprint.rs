@@ -90,10 +90,12 @@ async fn a_done_replay_leaves_its_audit_trail_and_state_only(t: Target) {
     w.cleanup().await;
 }
 
-/// `dlq-replay ARGS` with the world's Redis; exit code, stdout, stderr.
-async fn binary(args: &[&str]) -> (i32, String, String) {
+/// `dlq-replay ARGS` against the world's broker (`AMQP_URL`, which `make test` sets for the
+/// local RabbitMQ 3.10, would override the manifest's); exit code, stdout, stderr.
+async fn binary(w: &World, args: &[&str]) -> (i32, String, String) {
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_dlq-replay"))
         .args(args)
+        .env("AMQP_URL", w.amqp_url())
         .output()
         .await
         .unwrap();
@@ -124,8 +126,11 @@ async fn an_audit_sent_to_the_log_is_read_back_from_it(t: Target) {
     ));
     let dir = tempfile::tempdir().unwrap();
     let path = write_manifest(&dir, &resource);
-    let (code, out, err) =
-        binary(&["run", "-f", &path, "--no-progress", "--redis-url", REDIS]).await;
+    let (code, out, err) = binary(
+        &w,
+        &["run", "-f", &path, "--no-progress", "--redis-url", REDIS],
+    )
+    .await;
     assert_eq!(code, 0, "{err}");
     let status = serde_yaml::from_str::<DlqReplay>(&out)
         .unwrap()
@@ -147,15 +152,18 @@ async fn an_audit_sent_to_the_log_is_read_back_from_it(t: Target) {
     // `audit --log` reads the same rows back from the log.
     let log = dir.path().join("operator.log");
     std::fs::write(&log, &err).unwrap();
-    let (code, jsonl, e) = binary(&[
-        "audit",
-        "-f",
-        &path,
-        "--redis-url",
-        REDIS,
-        "--log",
-        log.to_str().unwrap(),
-    ])
+    let (code, jsonl, e) = binary(
+        &w,
+        &[
+            "audit",
+            "-f",
+            &path,
+            "--redis-url",
+            REDIS,
+            "--log",
+            log.to_str().unwrap(),
+        ],
+    )
     .await;
     assert_eq!(code, 0, "{e}");
     let back: Vec<store::AuditRow> = jsonl
@@ -200,7 +208,7 @@ async fn an_evicting_redis_is_refused_unless_the_risk_is_accepted(t: Target) {
     // `plan` tells the reviewer so before the manifest is applied.
     let dir = tempfile::tempdir().unwrap();
     let path = write_manifest(&dir, &resource);
-    let (code, out, err) = binary(&["plan", "-f", &path, "--redis-url", &url]).await;
+    let (code, out, err) = binary(&w, &["plan", "-f", &path, "--redis-url", &url]).await;
     assert_eq!(code, 0, "{err}");
     assert!(
         out.contains("maxmemory-policy allkeys-lru") && out.contains("run would refuse to start"),
@@ -222,8 +230,11 @@ async fn an_evicting_redis_is_refused_unless_the_risk_is_accepted(t: Target) {
     );
     accepted.status = None;
     let path = write_manifest(&dir, &accepted);
-    let (code, page, err) =
-        binary(&["report", "-f", &path, "--redis-url", &url, "--format", "md"]).await;
+    let (code, page, err) = binary(
+        &w,
+        &["report", "-f", &path, "--redis-url", &url, "--format", "md"],
+    )
+    .await;
     assert_eq!(code, 0, "{err}");
     assert!(page.contains("Redis eviction risk:** accepted"), "{page}");
     w.cleanup().await;
