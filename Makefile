@@ -19,7 +19,8 @@ test: services
 
 # The conformance suite and the controller lifecycles against a real cluster (E2E=1 and KUBECONFIG
 # set; skipped, and said so, otherwise). The controller runs in-process against the local RabbitMQ
-# and Redis.
+# and Redis. `../shared/kube/up` starts a real kube-apiserver and prints its KUBECONFIG; `.ci/run`
+# does so and runs these in `make test` (REQUIRE_KUBE=1: skipping is a failure there).
 e2e: services
 	E2E=1 $(CARGO) test --test fake_api -- e2e --nocapture
 	E2E=1 $(CARGO) test --test controller -- e2e --nocapture

@@ -3,9 +3,11 @@
 //! Every check runs twice: `fake::NAME` against the in-process fake, and `e2e::NAME` against a
 //! real cluster when `E2E=1` and `KUBECONFIG` are set (a fresh namespace per test, the CRD from
 //! `crds/dlqreplay.yaml` applied first). Without them the `e2e::*` tests print
-//! `SKIPPED: E2E=1 and KUBECONFIG not set` and check nothing. `fake_only::*` covers the fake's own
+//! `SKIPPED: E2E=1 and KUBECONFIG not set` and check nothing (with `REQUIRE_KUBE=1`, as `.ci/run`
+//! sets, they fail instead). `fake_only::*` covers the fake's own
 //! helpers (`put_secret`, `events`, `status_writes`, `get_json`, `expire_watches`) and what a
-//! shared cluster cannot be made to show (another CRD installed: ratcheting; `Warning` headers).
+//! shared cluster cannot be made to show quickly (another CRD installed: ratcheting; a watch
+//! expired on demand; streaming lists, which the tests' etcd 3.5.1 cannot serve).
 //!
 //! The CRD's rules hold on both: a spec change other than `suspend` is refused (the checks that
 //! change a spec change `suspend`), and so is every bad spec a real API server once admitted
@@ -23,7 +25,7 @@ use std::time::Duration;
 use dlq_replay::api::{DlqReplay, DlqReplayStatus, Phase};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Namespace, ObjectReference, Secret};
+use k8s_openapi::api::core::v1::{ObjectReference, Secret};
 use kube::api::{
     Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams,
     WatchEvent, WatchParams,
@@ -89,15 +91,12 @@ impl Env {
         }
     }
 
-    /// Removes what a real cluster would keep: finalizers of our objects, then the namespace.
+    /// Removes what a real cluster would keep: our replays (their finalizers dropped), then the
+    /// namespace.
     async fn cleanup(&self) {
-        if self.fake.is_some() {
-            return;
+        if self.fake.is_none() {
+            support::cluster::delete_namespace(&self.client, &self.ns).await;
         }
-        support::cluster::drop_finalizers(&self.replays()).await;
-        let _ = Api::<Namespace>::all(self.client.clone())
-            .delete(&self.ns, &DeleteParams::default())
-            .await;
     }
 }
 
@@ -413,7 +412,7 @@ async fn finalizers_hold_deletion(env: &Env) {
         .patch("fin", &pp(), &Patch::Json::<()>(wrong))
         .await
         .unwrap_err();
-    assert_eq!(api_code(&e).0, 422, "{e:?}");
+    assert_eq!(api_code(&e), (422, "Invalid".into()), "{e:?}");
     assert_eq!(api.get("fin").await.unwrap().finalizers().len(), 1);
     // Removing the last finalizer lets the deletion finish.
     let remove: json_patch::Patch = serde_json::from_value(json!([
@@ -945,6 +944,17 @@ async fn server_side_apply_conflicts(env: &Env) {
         .await
         .unwrap_err();
     assert_eq!(api_code(&e), (409, "Conflict".into()), "{e:?}");
+    // One `FieldManagerConflict` cause per field, naming the owner.
+    assert_eq!(causes(&e), [".spec.holderIdentity"], "{e:?}");
+    let kube::Error::Api(s) = &e else {
+        unreachable!()
+    };
+    let cause = &s.details.as_ref().unwrap().causes[0];
+    assert_eq!(
+        (cause.reason.as_str(), cause.message.as_str()),
+        ("FieldManagerConflict", r#"conflict with "manager-a""#),
+        "{e:?}"
+    );
     let now = leases.get("ssa").await.unwrap();
     assert_eq!(now.spec.unwrap().holder_identity.as_deref(), Some("a"));
     // The same manager may change its own fields; forcing takes the fields over.
@@ -1257,8 +1267,10 @@ async fn immutable_fields_are_refused_naming_the_field(env: &Env) {
     assert_eq!(generation(&suspended), 2);
 }
 
-/// Fields the schema does not know are pruned (the default `fieldValidation=Warn`), refused with
-/// 400 under `fieldValidation=Strict`, and fail a server-side apply.
+/// Fields the schema does not know are pruned (the default `fieldValidation=Warn`), refused under
+/// `fieldValidation=Strict` (a create with 400 `BadRequest`; a merge patch with 422 `Invalid`, one
+/// cause, field `patch`: kube-apiserver decodes the patched object strictly), and fail a
+/// server-side apply.
 async fn unknown_fields_are_pruned_or_refused(env: &Env) {
     let api = raw_replays(env);
     let created = api
@@ -1280,7 +1292,37 @@ async fn unknown_fields_are_pruned_or_refused(env: &Env) {
         .unwrap();
     assert!(patched.data["spec"].get("bogus").is_none());
     assert_eq!(patched.metadata.generation, Some(1));
-    // Strict: refused, naming the field.
+    // Strict: a create is refused with 400, naming every unknown field...
+    let body = serde_json::to_vec(&raw_replay(
+        "unk-strict",
+        json!({"bogus": 1, "source": {"extra": "x"}}),
+    ))
+    .unwrap();
+    let request = hyper::Request::post(format!(
+        "/apis/replay.dlq.dev/v1alpha1/namespaces/{}/dlqreplays?fieldValidation=Strict",
+        env.ns
+    ))
+    .header("content-type", "application/json")
+    .body(body)
+    .unwrap();
+    let e = env
+        .client
+        .request::<DynamicObject>(request)
+        .await
+        .unwrap_err();
+    assert_eq!(api_code(&e), (400, "BadRequest".into()), "{e:?}");
+    let kube::Error::Api(s) = &e else {
+        unreachable!()
+    };
+    assert!(
+        s.message.ends_with(
+            r#"strict decoding error: unknown field "spec.bogus", unknown field "spec.source.extra""#
+        ),
+        "{}",
+        s.message
+    );
+    assert!(api.get_opt("unk-strict").await.unwrap().is_none());
+    // ...and a merge patch with 422 `Invalid`, one cause (field `patch`) naming the field.
     let e = api
         .patch(
             "unk",
@@ -1289,11 +1331,40 @@ async fn unknown_fields_are_pruned_or_refused(env: &Env) {
         )
         .await
         .unwrap_err();
+    assert_eq!(api_code(&e), (422, "Invalid".into()), "{e:?}");
+    assert_eq!(causes(&e), ["patch"], "{e:?}");
     let kube::Error::Api(s) = &e else {
-        panic!("{e:?}")
+        unreachable!()
     };
-    assert_eq!(s.code, 400, "{e:?}");
-    assert!(s.message.contains("spec.bogus"), "{}", s.message);
+    let cause = &s.details.as_ref().unwrap().causes[0];
+    assert_eq!(cause.reason, "FieldValueInvalid", "{e:?}");
+    assert!(
+        cause
+            .message
+            .ends_with(r#"strict decoding error: unknown field "spec.bogus""#),
+        "{}",
+        cause.message
+    );
+    assert!(
+        s.message
+            .starts_with(r#" "" is invalid: patch: Invalid value: "#),
+        "{}",
+        s.message
+    );
+    // The same on /status, for an unknown field of the status.
+    let e = api
+        .patch_status(
+            "unk",
+            &PatchParams::default().validation_strict(),
+            &merge(json!({"status": {"bogus": 1}})),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(api_code(&e), (422, "Invalid".into()), "{e:?}");
+    assert_eq!(causes(&e), ["patch"], "{e:?}");
+    let stored = api.get("unk").await.unwrap();
+    assert_eq!(stored.metadata.generation, Some(1));
+    assert!(stored.data["spec"].get("bogus").is_none());
     // Server-side apply types the patch with the schema: an undeclared field fails it
     // (kube-apiserver v1.36 answers 500).
     let e = api
@@ -1346,8 +1417,33 @@ async fn defaults_are_applied(env: &Env) {
     assert_eq!(st.data["status"]["counts"]["scanned"], 0, "{}", st.data);
 }
 
-/// Writes to `/status` are checked against the status schema.
+/// Writes to `/status` are checked against the status schema. A schema error of the kinds that
+/// keep kube-apiserver from evaluating the CEL rules (a value outside the enum, a missing required
+/// field, a wrong type, too long, too many) adds a cause with field `<nil>` saying so; one that
+/// does not (a bound) does not.
 async fn status_is_validated_against_its_schema(env: &Env) {
+    const NOT_CHECKED: &str = "Invalid value: null: some validation rules were not checked because the object was invalid; correct the existing errors to complete validation";
+    let not_checked = |e: &kube::Error| {
+        let kube::Error::Api(s) = e else {
+            panic!("{e:?}")
+        };
+        let cause = s
+            .details
+            .iter()
+            .flat_map(|d| d.causes.iter())
+            .find(|c| c.field == "<nil>")
+            .unwrap_or_else(|| panic!("no <nil> cause: {e:?}"));
+        assert_eq!(
+            (cause.reason.as_str(), cause.message.as_str()),
+            ("FieldValueInvalid", NOT_CHECKED),
+            "{e:?}"
+        );
+        assert!(
+            s.message.ends_with(&format!("<nil>: {NOT_CHECKED}]")),
+            "{}",
+            s.message
+        );
+    };
     let api = env.replays();
     api.create(&PostParams::default(), &replay("sts", &env.ns))
         .await
@@ -1357,7 +1453,17 @@ async fn status_is_validated_against_its_schema(env: &Env) {
         .await
         .unwrap_err();
     assert_eq!(api_code(&e), (422, "Invalid".into()), "{e:?}");
-    assert_eq!(causes(&e), ["status.phase"], "{e:?}");
+    assert_eq!(causes(&e), ["status.phase", "<nil>"], "{e:?}");
+    let kube::Error::Api(s) = &e else {
+        unreachable!()
+    };
+    assert_eq!(
+        s.details.as_ref().unwrap().causes[0].reason,
+        "FieldValueNotSupported",
+        "{e:?}"
+    );
+    not_checked(&e);
+    // A partial `counts` replaces the default: the counts it lacks are missing (blocking).
     let e = api
         .patch_status(
             "sts",
@@ -1366,10 +1472,35 @@ async fn status_is_validated_against_its_schema(env: &Env) {
         )
         .await
         .unwrap_err();
-    assert_eq!(api_code(&e).0, 422, "{e:?}");
-    assert!(
-        causes(&e).contains(&"status.counts.scanned".to_string()),
+    assert_eq!(api_code(&e), (422, "Invalid".into()), "{e:?}");
+    let mut got = causes(&e);
+    got.sort();
+    assert_eq!(
+        got,
+        [
+            "<nil>",
+            "status.counts.duplicates",
+            "status.counts.failed",
+            "status.counts.quarantined",
+            "status.counts.replayed",
+            "status.counts.scanned",
+            "status.counts.skipped",
+        ],
         "{e:?}"
+    );
+    not_checked(&e);
+    // Only a bound broken: the rules were checked, no `<nil>` cause.
+    let counts = json!({"scanned": -1, "replayed": 0, "duplicates": 0, "quarantined": 0,
+        "failed": 0, "skipped": 0});
+    let e = api
+        .patch_status("sts", &pp(), &merge(json!({"status": {"counts": counts}})))
+        .await
+        .unwrap_err();
+    assert_eq!(api_code(&e), (422, "Invalid".into()), "{e:?}");
+    assert_eq!(causes(&e), ["status.counts.scanned"], "{e:?}");
+    assert!(
+        api.get_status("sts").await.unwrap().status.is_none(),
+        "a refused status write was stored"
     );
     // Unknown status fields are pruned; known ones kept.
     let st = api
@@ -1408,6 +1539,108 @@ async fn status_is_validated_against_its_schema(env: &Env) {
         .await
         .unwrap();
     assert_eq!(applied.status.unwrap().conditions[0].reason, "Pending");
+}
+
+/// Unknown fields are pruned with a `Warning` header, as kube-apiserver's default
+/// `fieldValidation=Warn` does.
+async fn pruned_fields_are_warned_about(env: &Env) {
+    let body = serde_json::to_vec(&raw_replay("w", json!({"bogus": 1}))).unwrap();
+    let request = hyper::Request::post(format!(
+        "/apis/replay.dlq.dev/v1alpha1/namespaces/{}/dlqreplays",
+        env.ns
+    ))
+    .header("content-type", "application/json")
+    .body(kube::client::Body::from(body))
+    .unwrap();
+    let response = env.client.send(request).await.unwrap();
+    assert_eq!(response.status().as_u16(), 201);
+    let warnings: Vec<&str> = response
+        .headers()
+        .get_all("warning")
+        .iter()
+        .map(|v| v.to_str().unwrap())
+        .collect();
+    assert_eq!(warnings, [r#"299 - "unknown field \"spec.bogus\"""#]);
+}
+
+/// A watch with `timeoutSeconds` ends its stream then. (From a listed resourceVersion: from "0"
+/// with bookmarks, kube-apiserver v1.36 on etcd 3.5.1 answers an ERROR 500 event, "the required
+/// storage feature RequestWatchProgress is disabled".)
+async fn watch_timeout_ends_the_stream(env: &Env) {
+    let api = env.replays();
+    let from = api
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .metadata
+        .resource_version
+        .unwrap();
+    let started = std::time::Instant::now();
+    let mut s = api
+        .watch(&WatchParams::default().timeout(1), &from)
+        .await
+        .unwrap()
+        .boxed();
+    let end = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            match s.try_next().await {
+                Ok(Some(WatchEvent::Bookmark(_))) => {}
+                other => return other,
+            }
+        }
+    })
+    .await;
+    assert!(matches!(end, Ok(Ok(None))), "{end:?}");
+    assert!(started.elapsed() >= Duration::from_millis(900));
+}
+
+/// Deleting a replay without finalizers answers a `Status` and a watch sees it DELETED; strategic
+/// merge patches are refused for custom resources (415).
+async fn delete_of_custom_resource_answers_status_and_watch_sees_deleted(env: &Env) {
+    let api = env.replays();
+    let a = api
+        .create(&PostParams::default(), &replay("d", &env.ns))
+        .await
+        .unwrap();
+    let mut s = api
+        .watch(
+            &WatchParams::default().timeout(5),
+            &a.resource_version().unwrap(),
+        )
+        .await
+        .unwrap()
+        .boxed();
+    let res = api.delete("d", &DeleteParams::default()).await.unwrap();
+    assert!(
+        res.is_right(),
+        "a Status for an immediate delete of a custom resource"
+    );
+    let deleted = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            match s.try_next().await {
+                Ok(Some(WatchEvent::Bookmark(_))) => {}
+                other => return other,
+            }
+        }
+    })
+    .await;
+    match deleted {
+        Ok(Ok(Some(WatchEvent::Deleted(o)))) => assert!(rv(&o) > rv(&a)),
+        other => panic!("expected DELETED, got {other:?}"),
+    }
+    assert!(api.get_opt("d").await.unwrap().is_none());
+    api.create(&PostParams::default(), &replay("d", &env.ns))
+        .await
+        .unwrap();
+    let e = api
+        .patch(
+            "d",
+            &pp(),
+            &Patch::Strategic(json!({"spec": {"suspend": true}})),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(api_code(&e).0, 415, "{e:?}");
 }
 
 macro_rules! conformance {
@@ -1461,6 +1694,9 @@ conformance!(
     unknown_fields_are_pruned_or_refused,
     defaults_are_applied,
     status_is_validated_against_its_schema,
+    pruned_fields_are_warned_about,
+    watch_timeout_ends_the_stream,
+    delete_of_custom_resource_answers_status_and_watch_sees_deleted,
 );
 
 // ---------------------------------------------------------------- the fake's own helpers
@@ -1538,28 +1774,6 @@ mod fake_only {
         assert_eq!(causes(&e), ["spec.quarantine.queue"], "{e:?}");
     }
 
-    /// Unknown fields are pruned with a `Warning` header, as kube-apiserver's default
-    /// `fieldValidation=Warn` does.
-    #[tokio::test]
-    async fn pruned_fields_are_warned_about() {
-        let fake = FakeApi::start().await;
-        let body = serde_json::to_vec(&raw_replay("w", json!({"bogus": 1}))).unwrap();
-        let request =
-            hyper::Request::post("/apis/replay.dlq.dev/v1alpha1/namespaces/ops/dlqreplays")
-                .header("content-type", "application/json")
-                .body(kube::client::Body::from(body))
-                .unwrap();
-        let response = fake.client().send(request).await.unwrap();
-        assert_eq!(response.status().as_u16(), 201);
-        let warnings: Vec<&str> = response
-            .headers()
-            .get_all("warning")
-            .iter()
-            .map(|v| v.to_str().unwrap())
-            .collect();
-        assert_eq!(warnings, [r#"299 - "unknown field \"spec.bogus\"""#]);
-    }
-
     #[tokio::test]
     async fn put_secret_is_visible_to_get_and_watch() {
         let fake = FakeApi::start().await;
@@ -1625,6 +1839,40 @@ mod fake_only {
         assert!(fake.get_json("dlqreplays", "ops", "nope").is_none());
     }
 
+    /// Streaming lists (`sendInitialEvents`): not on the real server of the tests, whose etcd
+    /// (3.5.1) lacks what kube-apiserver needs for them (it answers 500, "the required storage
+    /// feature RequestWatchProgress is disabled"); the operator lists, then watches.
+    #[tokio::test]
+    async fn streaming_list_watcher_works() {
+        let fake = FakeApi::start().await;
+        let api: Api<DlqReplay> = Api::namespaced(fake.client(), "ops");
+        api.create(&PostParams::default(), &replay("s1", "ops"))
+            .await
+            .unwrap();
+        let mut w = watcher(api.clone(), watcher::Config::default().streaming_lists()).boxed();
+        let mut initial = Vec::new();
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while let Some(ev) = w.next().await {
+                match ev.unwrap() {
+                    watcher::Event::InitApply(o) => initial.push(o.name_any()),
+                    watcher::Event::InitDone => break,
+                    _ => {}
+                }
+            }
+        })
+        .await
+        .expect("initial events");
+        assert_eq!(initial, ["s1"]);
+        api.create(&PostParams::default(), &replay("s2", "ops"))
+            .await
+            .unwrap();
+        let next = tokio::time::timeout(Duration::from_secs(5), w.next()).await;
+        assert!(
+            matches!(&next, Ok(Some(Ok(watcher::Event::Apply(o)))) if o.name_any() == "s2"),
+            "{next:?}"
+        );
+    }
+
     #[tokio::test]
     async fn expired_watch_answers_410_error_event() {
         let fake = FakeApi::start().await;
@@ -1671,92 +1919,5 @@ mod fake_only {
             s.try_next().await,
             Ok(Some(WatchEvent::Modified(_)))
         ));
-    }
-
-    #[tokio::test]
-    async fn watch_timeout_ends_the_stream() {
-        let fake = FakeApi::start().await;
-        let api: Api<DlqReplay> = Api::namespaced(fake.client(), "ops");
-        let started = std::time::Instant::now();
-        let mut s = api
-            .watch(&WatchParams::default().timeout(1), "0")
-            .await
-            .unwrap()
-            .boxed();
-        let end = tokio::time::timeout(Duration::from_secs(5), s.try_next()).await;
-        assert!(matches!(end, Ok(Ok(None))), "{end:?}");
-        assert!(started.elapsed() >= Duration::from_millis(900));
-    }
-
-    #[tokio::test]
-    async fn streaming_list_watcher_works() {
-        let fake = FakeApi::start().await;
-        let api: Api<DlqReplay> = Api::namespaced(fake.client(), "ops");
-        api.create(&PostParams::default(), &replay("s1", "ops"))
-            .await
-            .unwrap();
-        let mut w = watcher(api.clone(), watcher::Config::default().streaming_lists()).boxed();
-        let mut initial = Vec::new();
-        tokio::time::timeout(Duration::from_secs(5), async {
-            while let Some(ev) = w.next().await {
-                match ev.unwrap() {
-                    watcher::Event::InitApply(o) => initial.push(o.name_any()),
-                    watcher::Event::InitDone => break,
-                    _ => {}
-                }
-            }
-        })
-        .await
-        .expect("initial events");
-        assert_eq!(initial, ["s1"]);
-        api.create(&PostParams::default(), &replay("s2", "ops"))
-            .await
-            .unwrap();
-        let next = tokio::time::timeout(Duration::from_secs(5), w.next()).await;
-        assert!(
-            matches!(&next, Ok(Some(Ok(watcher::Event::Apply(o)))) if o.name_any() == "s2"),
-            "{next:?}"
-        );
-    }
-
-    #[tokio::test]
-    async fn delete_of_custom_resource_answers_status_and_watch_sees_deleted() {
-        let fake = FakeApi::start().await;
-        let api: Api<DlqReplay> = Api::namespaced(fake.client(), "ops");
-        let a = api
-            .create(&PostParams::default(), &replay("d", "ops"))
-            .await
-            .unwrap();
-        let mut s = api
-            .watch(
-                &WatchParams::default().timeout(5),
-                &a.resource_version().unwrap(),
-            )
-            .await
-            .unwrap()
-            .boxed();
-        let res = api.delete("d", &DeleteParams::default()).await.unwrap();
-        assert!(
-            res.is_right(),
-            "a Status for an immediate delete of a custom resource"
-        );
-        match s.try_next().await {
-            Ok(Some(WatchEvent::Deleted(o))) => assert!(rv(&o) > rv(&a)),
-            other => panic!("expected DELETED, got {other:?}"),
-        }
-        assert!(fake.get_json("dlqreplays", "ops", "d").is_none());
-        // Strategic merge patches are refused for custom resources, as by the real server.
-        api.create(&PostParams::default(), &replay("d", "ops"))
-            .await
-            .unwrap();
-        let e = api
-            .patch(
-                "d",
-                &pp(),
-                &Patch::Strategic(json!({"spec": {"suspend": true}})),
-            )
-            .await
-            .unwrap_err();
-        assert_eq!(api_code(&e).0, 415, "{e:?}");
     }
 }

@@ -1,5 +1,7 @@
 //! Where a controller scenario runs: the in-process fake API server (`fake_api.rs`), or a real
-//! cluster (`E2E=1` and `KUBECONFIG` set) in a fresh namespace with the CRD applied.
+//! cluster (`E2E=1` and `KUBECONFIG` set) in a fresh namespace with the CRD applied. Without them
+//! an `e2e::*` case says SKIPPED, unless `REQUIRE_KUBE=1` (CI, `.ci/run`, which starts a real
+//! kube-apiserver with `../shared/kube/up`): then it fails.
 //!
 //! A scenario is written once against [`Cluster`]; only what a real server cannot answer differs
 //! (`status_writes` is `None` there).
@@ -204,23 +206,28 @@ impl Cluster {
     }
 
     /// Deletes the engine's Redis state of this namespace's replays (`dlq:*:NS/*`); on a real
-    /// cluster also this test's replays (dropping finalizers no operator is left to remove), then
-    /// the namespace.
+    /// cluster also this test's replays and namespace ([`delete_namespace`]).
     pub async fn cleanup(&self) {
         self.forget_redis_state().await;
-        let Backend::Real(c) = &self.backend else {
-            return;
-        };
-        let api: Api<DlqReplay> = Api::namespaced(c.clone(), &self.ns);
-        // Deleting first marks them, so that a still-running operator cannot add a finalizer back.
-        let _ = api
-            .delete_collection(&DeleteParams::default(), &ListParams::default())
-            .await;
-        drop_finalizers(&api).await;
-        let _ = Api::<Namespace>::all(c.clone())
-            .delete(&self.ns, &DeleteParams::default())
-            .await;
+        if let Backend::Real(c) = &self.backend {
+            delete_namespace(c, &self.ns).await;
+        }
     }
+}
+
+/// Deletes a test's namespace of a real cluster, its replays first (dropping finalizers no
+/// operator is left to remove): the cluster has no namespace controller, so a deleted namespace
+/// keeps what it holds, and replays left there would meet later tests' cluster-wide lists.
+pub async fn delete_namespace(client: &Client, ns: &str) {
+    let api: Api<DlqReplay> = Api::namespaced(client.clone(), ns);
+    // Deleting first marks them, so that a still-running operator cannot add a finalizer back.
+    let _ = api
+        .delete_collection(&DeleteParams::default(), &ListParams::default())
+        .await;
+    drop_finalizers(&api).await;
+    let _ = Api::<Namespace>::all(client.clone())
+        .delete(ns, &DeleteParams::default())
+        .await;
 }
 
 /// Removes the finalizers of every replay `api` lists (no operator is left to remove them).
@@ -259,11 +266,16 @@ impl Cluster {
 
 /// The client of the cluster `KUBECONFIG` points at and a fresh namespace `{prefix}-{test}-{hex}`
 /// in it, with `crds/dlqreplay.yaml` applied and Established; `None` (and a SKIPPED line on
-/// stderr) unless `E2E=1` and `KUBECONFIG` are set.
+/// stderr) unless `E2E=1` and `KUBECONFIG` are set. With `REQUIRE_KUBE=1` their absence panics.
 pub async fn e2e_namespace(test: &str, prefix: &str) -> Option<(Client, String)> {
     let e2e = std::env::var("E2E").is_ok_and(|v| v == "1");
     let kubeconfig = std::env::var("KUBECONFIG").is_ok_and(|v| !v.is_empty());
     if !(e2e && kubeconfig) {
+        if std::env::var("REQUIRE_KUBE").as_deref() == Ok("1") {
+            panic!(
+                "e2e::{test}: E2E=1 and KUBECONFIG not set (REQUIRE_KUBE=1; .ci/run starts ../shared/kube/up and sets them)"
+            );
+        }
         // Straight to the process's stderr, past the test harness's capture.
         let _ = writeln!(std::io::stderr(), "e2e::{test}: {SKIP}");
         return None;

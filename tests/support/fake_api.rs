@@ -13,12 +13,16 @@
 //! `DlqReplay` objects are checked as kube-apiserver v1.36 checks a custom resource against its
 //! CRD (the committed `crds/dlqreplay.yaml`, or a `CustomResourceDefinition` written to the fake,
 //! as by `kubectl apply -f crds/`), on every create, update and patch of the object and of its
-//! `/status`: unknown fields pruned (a `Warning` header; `fieldValidation=Strict` refuses them
-//! with 400; a server-side apply that sets one fails with 500, "field not declared in schema"),
-//! schema defaults applied, then the OpenAPI schema and the CEL rules (transition rules against
-//! the stored object) validated, with ratcheting: what an update leaves unchanged is not refused.
-//! A refusal is a 422 `Invalid` `Status` whose `details.causes` name each field. The checking
-//! itself is `dlq_replay::manifest::structural` (jsonschema and kube-cel).
+//! `/status`: unknown fields pruned (a `Warning` header; `fieldValidation=Strict` refuses them:
+//! a create or replace with 400 `BadRequest`, a merge or JSON patch with 422 `Invalid` and one
+//! cause, field `patch`; a server-side apply that sets one fails with 500, "field not declared in
+//! schema"), schema defaults applied, then the OpenAPI schema and the CEL rules (transition rules
+//! against the stored object) validated, with ratcheting: what an update leaves unchanged is not
+//! refused. A refusal is a 422 `Invalid` `Status` whose `details.causes` name each field. As in
+//! kube-apiserver, a schema error of the kinds that block the CEL rules (a wrong type, a missing
+//! required field, a value outside the enum, too long, too many) skips them and adds a cause with
+//! field `<nil>` ("some validation rules were not checked because the object was invalid"). The
+//! checking itself is `dlq_replay::manifest::structural` (jsonschema and kube-cel).
 //!
 //! What it does not model: authentication, admission webhooks, validation of built-in kinds,
 //! garbage collection of owned objects, namespace lifecycle, managedFields and real
@@ -162,14 +166,146 @@ pub fn crd_before_the_rules() -> CustomResourceDefinition {
     serde_json::from_value(crd).expect("a CRD")
 }
 
-fn committed_schema() -> Arc<CrdSchema> {
-    static SCHEMA: std::sync::LazyLock<Arc<CrdSchema>> = std::sync::LazyLock::new(|| {
+fn committed_schema() -> Arc<Schemas> {
+    static SCHEMA: std::sync::LazyLock<Arc<Schemas>> = std::sync::LazyLock::new(|| {
         Arc::new(
-            CrdSchema::new(&committed_crd(), "v1alpha1")
-                .expect("the schema of crds/dlqreplay.yaml"),
+            Schemas::new(&committed_crd(), "v1alpha1").expect("the schema of crds/dlqreplay.yaml"),
         )
     });
     SCHEMA.clone()
+}
+
+/// The schema of one version of a CRD, as kube-apiserver checks a custom resource against it:
+/// whole (`full`: the OpenAPI schema, then the CEL rules), and without its CEL rules (`shape`;
+/// `None` when it has none, as kube-apiserver then has no CEL validator).
+struct Schemas {
+    full: CrdSchema,
+    shape: Option<CrdSchema>,
+}
+
+/// The reasons of the schema errors that keep kube-apiserver from evaluating the CEL rules
+/// (`hasBlockingErr` of apiextensions-apiserver's `pkg/registry/customresource`).
+const BLOCKING: &[&str] = &[
+    "FieldValueNotSupported",
+    "FieldValueRequired",
+    "FieldValueTooLong",
+    "FieldValueTooMany",
+    "FieldValueTypeInvalid",
+];
+
+/// One cause of a 422 `Invalid`: the field, the reason and kube-apiserver's text after the field.
+struct Cause {
+    field: String,
+    reason: &'static str,
+    detail: String,
+}
+
+impl Cause {
+    /// The cause of a violation as kube-apiserver v1.36 writes it: a failed CEL rule says
+    /// `Invalid value: MESSAGE`, without the type of the rule's node (`structural` writes
+    /// `Invalid value: "object": MESSAGE`); on the `/status` subresource (`status_sub`), where only
+    /// the status is checked against its schema, a schema error's text names the field from the
+    /// status down (`counts.scanned in body should ...`).
+    fn of(v: &Violation, status_sub: bool) -> Cause {
+        let mut detail = v.detail.clone();
+        if v.reason == "FieldValueInvalid" {
+            for t in ["object", "array", "string", "integer", "number", "boolean"] {
+                if detail == format!("Invalid value: \"{t}\": {}", v.message) {
+                    detail = format!("Invalid value: {}", v.message);
+                    break;
+                }
+            }
+        }
+        if status_sub {
+            if let Some(rest) = v.field.strip_prefix("status.") {
+                detail = detail.replace(
+                    &format!(" {} in body ", v.field),
+                    &format!(" {rest} in body "),
+                );
+            }
+        }
+        Cause {
+            field: v.field.clone(),
+            reason: v.reason,
+            detail,
+        }
+    }
+
+    /// What kube-apiserver adds when a blocking schema error kept it from the CEL rules
+    /// (`field.Invalid(nil, nil, ...)`: no field, a null value).
+    fn rules_not_checked() -> Cause {
+        Cause {
+            field: "<nil>".into(),
+            reason: "FieldValueInvalid",
+            detail: "Invalid value: null: some validation rules were not checked because the object was invalid; correct the existing errors to complete validation".into(),
+        }
+    }
+
+    fn is_rules_not_checked(v: &Violation) -> bool {
+        v.field == "<nil>" && v.detail.contains("some validation rules were not checked")
+    }
+}
+
+impl Schemas {
+    fn new(crd: &CustomResourceDefinition, version: &str) -> Result<Schemas, String> {
+        fn strip_rules(v: &mut Value) -> bool {
+            let mut found = false;
+            match v {
+                Value::Object(m) => {
+                    found = m.remove("x-kubernetes-validations").is_some();
+                    for child in m.values_mut() {
+                        found |= strip_rules(child);
+                    }
+                }
+                Value::Array(a) => {
+                    for child in a {
+                        found |= strip_rules(child);
+                    }
+                }
+                _ => {}
+            }
+            found
+        }
+        let full = CrdSchema::new(crd, version)?;
+        let mut bare = full.schema().clone();
+        let shape = if strip_rules(&mut bare) {
+            Some(CrdSchema::from_json(bare)?)
+        } else {
+            None
+        };
+        Ok(Schemas { full, shape })
+    }
+
+    /// kube-apiserver's validation of a pruned and defaulted object (`old`: the stored one of an
+    /// update; `status_sub`: a write to `/status`): the schema, then the CEL rules, unless a
+    /// blocking schema error (see [`BLOCKING`]) skips them and adds the `<nil>` cause instead.
+    fn validate(&self, obj: &Value, old: Option<&Value>, status_sub: bool) -> Vec<Cause> {
+        let of = |v: &Violation| Cause::of(v, status_sub);
+        let all = self.full.validate(obj, old);
+        let Some(shape) = &self.shape else {
+            // No CEL rules, so no CEL validator and nothing to say was not checked.
+            return all
+                .iter()
+                .filter(|v| !Cause::is_rules_not_checked(v))
+                .map(of)
+                .collect();
+        };
+        if !all.iter().any(|v| BLOCKING.contains(&v.reason)) {
+            return all.iter().map(of).collect();
+        }
+        // Which of them are the schema's (a CEL rule may answer `FieldValueRequired` too).
+        let mut found: Vec<Cause> = shape
+            .validate(obj, old)
+            .iter()
+            .filter(|v| !Cause::is_rules_not_checked(v))
+            .map(of)
+            .collect();
+        if !found.iter().any(|c| BLOCKING.contains(&c.reason)) {
+            return all.iter().map(of).collect();
+        }
+        found.push(Cause::rules_not_checked());
+        found
+    }
 }
 
 const KINDS: &[Kind] = &[
@@ -372,7 +508,7 @@ struct State {
     /// conflicts of server-side apply.
     owners: HashMap<Key, BTreeMap<String, String>>,
     /// The schema of a `CustomResourceDefinition` written to the fake, by its resourceVersion.
-    crd_schema: Option<(String, Arc<CrdSchema>)>,
+    crd_schema: Option<(String, Arc<Schemas>)>,
     /// The `Warning` headers of the request being answered.
     warnings: Vec<String>,
 }
@@ -431,15 +567,18 @@ fn not_found(kind: &Kind, name: &str) -> ApiError {
 
 /// kube-apiserver's answer to an object its schema or CEL rules refuse: 422 `Invalid`, one
 /// cause per field.
-fn invalid(kind: &Kind, name: &str, violations: &[Violation]) -> ApiError {
-    let each: Vec<String> = violations.iter().map(ToString::to_string).collect();
+fn invalid(kind: &Kind, name: &str, violations: &[Cause]) -> ApiError {
+    let each: Vec<String> = violations
+        .iter()
+        .map(|c| format!("{}: {}", c.field, c.detail))
+        .collect();
     let summary = match each.as_slice() {
         [one] => one.clone(),
         many => format!("[{}]", many.join(", ")),
     };
     let causes: Vec<Value> = violations
         .iter()
-        .map(|v| json!({"reason": v.reason, "message": v.detail, "field": v.field}))
+        .map(|c| json!({"reason": c.reason, "message": c.detail, "field": c.field}))
         .collect();
     ApiError {
         code: 422,
@@ -560,7 +699,7 @@ impl State {
     /// The schema `kind`'s objects are checked against: that of its CRD when one was written to
     /// the fake (as after `kubectl apply -f` of another version of the CRD), else the committed
     /// one.
-    fn schema_of(&mut self, kind: &Kind) -> Arc<CrdSchema> {
+    fn schema_of(&mut self, kind: &Kind) -> Arc<Schemas> {
         let Some(crds) = KINDS
             .iter()
             .position(|k| k.plural == "customresourcedefinitions")
@@ -585,7 +724,7 @@ impl State {
         }
         let schema = serde_json::from_value::<CustomResourceDefinition>(stored)
             .map_err(|e| e.to_string())
-            .and_then(|crd| CrdSchema::new(&crd, kind.version));
+            .and_then(|crd| Schemas::new(&crd, kind.version));
         match schema {
             Ok(schema) => {
                 let schema = Arc::new(schema);
@@ -600,7 +739,8 @@ impl State {
     }
 
     /// What kube-apiserver does to a custom resource before it stores it: prunes unknown fields
-    /// (a warning, or with `fieldValidation=Strict` a 400), applies the schema's defaults, and
+    /// (a warning, or with `fieldValidation=Strict` a 400: a patch is checked before, by
+    /// [`State::strict_patch`]), applies the schema's defaults, and
     /// validates the schema and the CEL rules (`old`: the stored object of an update, for
     /// transition rules and ratcheting), refusing with 422.
     fn admit(
@@ -609,6 +749,7 @@ impl State {
         name: &str,
         obj: &mut Value,
         old: Option<&Value>,
+        status_sub: bool,
         ctx: &Ctx,
     ) -> ApiResult<()> {
         let kind = KINDS[k];
@@ -616,7 +757,7 @@ impl State {
             return Ok(());
         }
         let schema = self.schema_of(&kind);
-        let unknown = schema.prune(obj);
+        let unknown = schema.full.prune(obj);
         if !unknown.is_empty() {
             let each: Vec<String> = unknown
                 .iter()
@@ -640,8 +781,8 @@ impl State {
                 _ => self.warnings.extend(each),
             }
         }
-        schema.default(obj);
-        let violations = schema.validate(obj, old);
+        schema.full.default(obj);
+        let violations = schema.validate(obj, old, status_sub);
         if violations.is_empty() {
             Ok(())
         } else {
@@ -657,7 +798,7 @@ impl State {
             return Ok(());
         }
         let mut probe = patch.clone();
-        let unknown = self.schema_of(&kind).prune(&mut probe);
+        let unknown = self.schema_of(&kind).full.prune(&mut probe);
         match unknown.first() {
             None => Ok(()),
             Some(field) => Err(err(
@@ -672,6 +813,39 @@ impl State {
                 ),
             )),
         }
+    }
+
+    /// `fieldValidation=Strict` on a merge or JSON patch: kube-apiserver decodes the patched
+    /// object strictly and refuses an unknown field anywhere in it (also outside the part the
+    /// subresource writes) with 422 `Invalid`, no kind or name, and one cause, field `patch`,
+    /// whose value is the patched object.
+    fn strict_patch(&mut self, key: &Key, patched: &Value, ctx: &Ctx) -> ApiResult<()> {
+        let kind = KINDS[key.0];
+        if ctx.field_validation.as_deref() != Some("Strict") || !kind.has_schema() {
+            return Ok(());
+        }
+        let mut probe = patched.clone();
+        let unknown = self.schema_of(&kind).full.prune(&mut probe);
+        if unknown.is_empty() {
+            return Ok(());
+        }
+        let each: Vec<String> = unknown
+            .iter()
+            .map(|f| format!("unknown field \"{f}\""))
+            .collect();
+        let value = Value::String(patched.to_string()).to_string();
+        let detail = format!(
+            "Invalid value: {value}: strict decoding error: {}",
+            each.join(", ")
+        );
+        Err(ApiError {
+            code: 422,
+            reason: "Invalid",
+            message: format!(" \"\" is invalid: patch: {detail}"),
+            details: Some(json!({
+                "causes": [{"reason": "FieldValueInvalid", "message": detail, "field": "patch"}],
+            })),
+        })
     }
 
     /// Records a change for watches and the history.
@@ -782,7 +956,7 @@ impl State {
             }
         }
         normalize(&kind, &mut body);
-        self.admit(k, &name, &mut body, None, ctx)?;
+        self.admit(k, &name, &mut body, None, false, ctx)?;
         if ctx.dry_run {
             return Ok(body);
         }
@@ -856,7 +1030,7 @@ impl State {
             }
         }
         normalize(&kind, &mut new);
-        self.admit(key.0, &key.2, &mut new, Some(old), ctx)?;
+        self.admit(key.0, &key.2, &mut new, Some(old), status_sub, ctx)?;
         new["metadata"]["resourceVersion"] = old["metadata"]["resourceVersion"].clone();
         if spec_part(&new) != spec_part(old) {
             let generation = old["metadata"]["generation"].as_i64().unwrap_or(0) + 1;
@@ -912,24 +1086,32 @@ impl State {
                 continue;
             }
             if let Some(owner) = owners.get(&path).filter(|o| o.as_str() != manager) {
-                conflicts.push(format!(
-                    "conflict with \"{owner}\": .{}",
-                    path.trim_start_matches('/').replace('/', ".")
+                conflicts.push((
+                    format!("conflict with \"{owner}\""),
+                    format!(".{}", path.trim_start_matches('/').replace('/', ".")),
                 ));
             }
         }
         if conflicts.is_empty() {
             return Ok(());
         }
-        let kind = KINDS[key.0];
-        let mut e = obj_err(409, "Conflict", &kind, &key.2, "");
-        e.message = format!(
-            "Apply failed with {} conflict{}: {}",
-            conflicts.len(),
-            if conflicts.len() == 1 { "" } else { "s" },
-            conflicts.join(", ")
-        );
-        Err(e)
+        // As kube-apiserver: no name, group or kind, one `FieldManagerConflict` cause per field.
+        let causes: Vec<Value> = conflicts
+            .iter()
+            .map(|(m, f)| json!({"reason": "FieldManagerConflict", "message": m, "field": f}))
+            .collect();
+        let each: Vec<String> = conflicts.iter().map(|(m, f)| format!("{m}: {f}")).collect();
+        Err(ApiError {
+            code: 409,
+            reason: "Conflict",
+            message: format!(
+                "Apply failed with {} conflict{}: {}",
+                conflicts.len(),
+                if conflicts.len() == 1 { "" } else { "s" },
+                each.join(", ")
+            ),
+            details: Some(json!({ "causes": causes })),
+        })
     }
 
     /// Records `manager` as the owner of every field it changed (and, for an apply, of every
@@ -1042,16 +1224,16 @@ impl State {
                             continue;
                         }
                     }
-                    json_patch::patch(&mut doc, std::slice::from_ref(op)).map_err(|e| {
-                        err(
-                            422,
-                            "Invalid",
-                            format!(
-                                "{} \"{}\" is invalid: the JSON patch could not be applied: {e}",
-                                kind.qualified(),
-                                key.2
-                            ),
-                        )
+                    // As kube-apiserver: a failed test or a missing path says no more than this.
+                    json_patch::patch(&mut doc, std::slice::from_ref(op)).map_err(|_| {
+                        ApiError {
+                            code: 422,
+                            reason: "Invalid",
+                            message:
+                                "the server rejected our request due to an error in our request"
+                                    .into(),
+                            details: Some(json!({})),
+                        }
                     })?;
                 }
             }
@@ -1091,6 +1273,9 @@ impl State {
                     format!("the body of the request was in an unknown format: {other}"),
                 ))
             }
+        }
+        if applied.is_none() {
+            self.strict_patch(key, &doc, ctx)?;
         }
         self.commit_update(key, &old, doc, status_sub, ctx, applied.as_ref())
             .map(|o| (StatusCode::OK, o))
