@@ -51,10 +51,10 @@ fn redis_line(report: &engine::plan::PlanReport, accepted: bool) -> String {
         let why = report.redis_error.as_deref().unwrap_or("unknown");
         return format!("redis: not checked ({why}); run refuses to start unless spec.audit.acceptRedisEviction");
     };
-    let mib = |b: u64| format!("{:.1} MiB", b as f64 / 1_048_576.0);
+    let size = engine::store::human_bytes;
     let limit = match c.maxmemory {
         0 => "no maxmemory".to_string(),
-        m => format!("maxmemory {}", mib(m)),
+        m => format!("maxmemory {}", size(m)),
     };
     let verdict = match (&c.risk, accepted) {
         (None, _) => "ok".to_string(),
@@ -64,7 +64,7 @@ fn redis_line(report: &engine::plan::PlanReport, accepted: bool) -> String {
     format!(
         "redis: maxmemory-policy {}, {limit}, used {}; this replay writes up to {} at its peak: {verdict}",
         c.policy,
-        mib(c.used),
-        mib(c.expected)
+        size(c.used),
+        size(c.expected)
     )
 }

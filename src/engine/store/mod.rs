@@ -31,7 +31,7 @@ pub use held::{claim_value, confirmed_claim, Held};
 pub use lookup::Lookup;
 pub use retain::{reopen, retain, retention};
 use retry::Retries;
-pub use room::{expected_bytes, Room};
+pub use room::{expected_bytes, human_bytes, Room};
 
 /// The replay's durable state, as stored under its state key.
 #[derive(Debug, Clone, Default)]

@@ -93,9 +93,9 @@ impl Room {
         (self.maxmemory > 0 && expected > room).then(|| {
             format!(
                 "maxmemory {} leaves {} free and this replay may write up to {} (maxmemory-policy {})",
-                mib(self.maxmemory),
-                mib(room),
-                mib(expected),
+                human_bytes(self.maxmemory),
+                human_bytes(room),
+                human_bytes(expected),
                 self.policy
             )
         })
@@ -111,8 +111,14 @@ pub fn expected_bytes(messages: u64, audit_in_redis: bool, claims: bool) -> u64 
     messages.saturating_mul(per)
 }
 
-fn mib(bytes: u64) -> String {
-    format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
+/// Bytes as a person reads them: KiB below a MiB, MiB above.
+pub fn human_bytes(bytes: u64) -> String {
+    const MIB: f64 = 1024.0 * 1024.0;
+    if (bytes as f64) < MIB {
+        format!("{:.1} KiB", bytes as f64 / 1024.0)
+    } else {
+        format!("{:.1} MiB", bytes as f64 / MIB)
+    }
 }
 
 #[cfg(test)]
