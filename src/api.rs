@@ -658,6 +658,22 @@ pub enum CanaryResult {
     Unconfirmed,
 }
 
+impl DlqReplay {
+    /// The replay's namespace, `default` for a manifest that names none (as `kubectl apply`
+    /// would place it).
+    pub fn namespace_or_default(&self) -> String {
+        self.metadata
+            .namespace
+            .clone()
+            .unwrap_or_else(|| "default".into())
+    }
+
+    /// The replay's name (empty when the manifest names none; the manifest check refuses that).
+    pub fn name_or_empty(&self) -> String {
+        self.metadata.name.clone().unwrap_or_default()
+    }
+}
+
 /// Where the audit trail of a replay is.
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]

@@ -395,12 +395,8 @@ pub fn resolve(resource: &DlqReplay, endpoints: &Endpoints) -> Result<Replay, Er
     manifest::check_url(&redis_url, &["redis", "rediss"])
         .map_err(|e| Error::Config(format!("Redis URL: {e}")))?;
     Ok(Replay {
-        namespace: resource
-            .metadata
-            .namespace
-            .clone()
-            .unwrap_or_else(|| "default".into()),
-        name: resource.metadata.name.clone().unwrap_or_default(),
+        namespace: resource.namespace_or_default(),
+        name: resource.name_or_empty(),
         spec: spec.clone(),
         amqp_url,
         redis_url,

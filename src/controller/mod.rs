@@ -329,7 +329,7 @@ fn key_of(obj: &DlqReplay) -> String {
 
 /// Reconcile one replay.
 pub async fn reconcile(obj: Arc<DlqReplay>, ctx: Arc<Context>) -> Result<Action, Error> {
-    let ns = obj.namespace().unwrap_or_else(|| "default".into());
+    let ns = obj.namespace_or_default();
     let api: Api<DlqReplay> = Api::namespaced(ctx.client.clone(), &ns);
     finalizer(&api, FINALIZER, obj, |event| async {
         match event {
@@ -366,7 +366,7 @@ async fn apply(obj: Arc<DlqReplay>, ctx: Arc<Context>) -> Result<Action, Error> 
     }
     // Not running here: its stored status is current (a running one's is shown by its writes).
     crate::metrics::Metrics::global().observe_replay(
-        &obj.namespace().unwrap_or_else(|| "default".into()),
+        &obj.namespace_or_default(),
         &obj.name_any(),
         obj.status.as_ref(),
         obj.spec.poison.max_quarantine_ratio,
@@ -592,10 +592,7 @@ async fn cleanup(obj: Arc<DlqReplay>, ctx: Arc<Context>) -> Result<Action, Error
         t.cancel.cancel();
         let _ = t.handle.await;
     }
-    crate::metrics::Metrics::global().forget_replay(
-        &obj.namespace().unwrap_or_else(|| "default".into()),
-        &obj.name_any(),
-    );
+    crate::metrics::Metrics::global().forget_replay(&obj.namespace_or_default(), &obj.name_any());
     Ok(Action::await_change())
 }
 
@@ -662,7 +659,7 @@ async fn write_status(
     next: &DlqReplayStatus,
     stop: &CancellationToken,
 ) -> Result<DlqReplayStatus, Error> {
-    let ns = obj.namespace().unwrap_or_else(|| "default".into());
+    let ns = obj.namespace_or_default();
     let api: Api<DlqReplay> = Api::namespaced(ctx.client.clone(), &ns);
     let generation = obj.meta().generation;
     let previous = obj
@@ -869,7 +866,7 @@ async fn drive(
 
 /// Resolve the Secret references of a replay into URLs; the error says which is missing.
 pub async fn resolve(client: &Client, obj: &DlqReplay) -> Result<Replay, String> {
-    let ns = obj.namespace().unwrap_or_else(|| "default".into());
+    let ns = obj.namespace_or_default();
     let spec = &obj.spec;
     let amqp_url = url_of(client, &ns, &spec.broker, "spec.broker").await?;
     let redis = spec

@@ -18,12 +18,8 @@ pub fn meta_of(resource: &DlqReplay) -> Meta {
         ),
     };
     Meta {
-        namespace: resource
-            .metadata
-            .namespace
-            .clone()
-            .unwrap_or_else(|| "default".into()),
-        name: resource.metadata.name.clone().unwrap_or_default(),
+        namespace: resource.namespace_or_default(),
+        name: resource.name_or_empty(),
         audit_key: String::new(),
         source_queue: Some(spec.source.queue.clone()),
         mode: Some(match spec.idempotency.as_ref().map(|i| i.mode) {
