@@ -9,30 +9,42 @@
 //! [`run_with_leader_election`]), a lost Lease, a `spec.suspend` or a deletion cancels the
 //! replay's task; the engine settles the batch in flight (every wait it may be in watches the
 //! cancellation), the final status is written, and on a shutdown the Lease is released last.
+//!
+//! By concern: this module holds the `Context`, `reconcile` and `error_policy` and the steps of
+//! reconcile; `leader` (who drives replays, and the shutdown signals), `lease` (the Lease
+//! itself), `task` (one replay's engine run and its status as it goes), `writes` (status writes
+//! and Events), `status` (what a status says: conditions, phases), `secrets` (URLs from Secrets).
 
+mod leader;
 pub mod lease;
+mod secrets;
 pub mod status;
+mod task;
+mod writes;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Secret;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::Api;
 use kube::runtime::controller::{Action, Controller};
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::events::{Recorder, Reporter};
 use kube::runtime::finalizer::{finalizer, Event as Finalizer};
 use kube::runtime::watcher;
-use kube::{Client, Resource, ResourceExt};
-use tokio::sync::{watch, Mutex};
+use kube::{Client, ResourceExt};
+use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 
-use crate::api::{
-    CanaryResult, ConnectionSpec, DlqReplay, DlqReplayStatus, Phase, RETRY_ANNOTATION,
-};
-use crate::engine::{self, Replay};
+use crate::api::{DlqReplay, DlqReplayStatus, Phase, RETRY_ANNOTATION};
+use crate::engine;
+
+use leader::CONTROLLER_PART;
+pub use leader::{run_with_leader_election, signalled};
+pub use secrets::resolve;
+use task::drive;
+use writes::{emit, observe_generation, set_pending, write_status_once};
 
 /// The finalizer that lets a deleted replay settle its in-flight messages first.
 pub const FINALIZER: &str = "replay.dlq.dev/finalizer";
@@ -135,132 +147,6 @@ impl Context {
     pub async fn running(&self) -> usize {
         self.tasks.lock().await.len()
     }
-}
-
-/// The `/healthz` names of the controller and of the lease loop.
-const CONTROLLER_PART: &str = "controller";
-const LEASE_PART: &str = "lease";
-
-/// Lead, then drive replays while leading, until `shutdown` is cancelled: only the holder of the
-/// [`LEASE`] runs replays, so two replicas never replay the same queue (see [`lease`]).
-///
-/// - Losing the Lease (another replica holds it, or it could not be renewed within the renew
-///   deadline) stops every task after its in-flight messages settle, then follows again.
-/// - `shutdown` stops the controller and every task the same way (status `OperatorStopped`),
-///   keeps renewing meanwhile, then releases the Lease so that another replica takes over at its
-///   next ask (2 s), and returns `Ok`. A follower returns at once.
-/// - The controller dying (a panic) stops the tasks, releases the Lease and returns `Err`;
-///   `/healthz` says so meanwhile, and so it does when the lease loop stalls.
-pub async fn run_with_leader_election(
-    client: Client,
-    settings: Settings,
-    lease_ns: &str,
-    metrics: std::sync::Arc<crate::metrics::Metrics>,
-    shutdown: CancellationToken,
-) -> Result<(), String> {
-    let cfg = lease::LeaseConfig::new(LEASE, lease_ns, &settings.instance);
-    let (retry, stale) = (cfg.retry, cfg.duration * 2);
-    let mut elector = lease::Elector::new(client.clone(), cfg);
-    loop {
-        metrics.leader.set(0);
-        loop {
-            metrics.alive(LEASE_PART, Some(stale));
-            match elector.try_acquire_or_renew().await {
-                Ok(true) => break,
-                Ok(false) => metrics.set_ready(true),
-                Err(e) => tracing::warn!(error = %e, "asking for the lease"),
-            }
-            tokio::select! {
-                _ = tokio::time::sleep(jittered(retry)) => {}
-                _ = shutdown.cancelled() => {
-                    metrics.stopped(LEASE_PART);
-                    tracing::info!("shutdown: not leading, nothing to settle");
-                    return Ok(());
-                }
-            }
-        }
-        metrics.set_ready(true);
-        metrics.leader.set(1);
-        tracing::info!(instance = %settings.instance, "leading: driving replays");
-        // Cancelled by a shutdown, or by this loop when the Lease is lost.
-        let stop = shutdown.child_token();
-        let mut controller = tokio::spawn(run_until(
-            client.clone(),
-            settings.clone(),
-            stop.clone().cancelled_owned(),
-        ));
-        // Renew while the controller runs and while its replays settle after a stop: the Lease
-        // stays ours until they did.
-        let ended = loop {
-            tokio::select! {
-                ended = &mut controller => break ended,
-                _ = tokio::time::sleep(retry) => {}
-            }
-            metrics.alive(LEASE_PART, Some(stale));
-            if stop.is_cancelled() && !shutdown.is_cancelled() {
-                continue; // stepping down: no more renewals
-            }
-            match elector.try_acquire_or_renew().await {
-                Ok(true) => {}
-                Ok(false) => {
-                    tracing::warn!("another replica holds the lease: stopping the replays");
-                    stop.cancel();
-                }
-                Err(e) if elector.renewal_overdue() => {
-                    tracing::warn!(error = %e, "could not renew the lease within the renew deadline: stopping the replays");
-                    stop.cancel();
-                }
-                Err(e) => tracing::warn!(error = %e, "renewing the lease; trying again"),
-            }
-        };
-        metrics.leader.set(0);
-        let died = match ended {
-            Ok(Ok(())) => None,
-            Ok(Err(why)) => Some(why),
-            Err(e) => Some(format!("the controller task failed: {e}")),
-        };
-        if died.is_none() && !shutdown.is_cancelled() {
-            tracing::warn!("lost the lease: replays stopped, waiting to lead again");
-            continue;
-        }
-        match elector.release().await {
-            Ok(true) => tracing::info!("released the lease"),
-            Ok(false) => tracing::info!("the lease was no longer ours"),
-            Err(e) => tracing::warn!(error = %e, "releasing the lease; it expires by itself"),
-        }
-        metrics.stopped(LEASE_PART);
-        return match died {
-            Some(why) => Err(why),
-            None => Ok(()),
-        };
-    }
-}
-
-/// `d` ± 10 %, so that replicas do not ask in step.
-fn jittered(d: Duration) -> Duration {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |t| t.subsec_nanos());
-    d.mul_f64(0.9 + f64::from(nanos % 1000) / 5000.0)
-}
-
-/// SIGTERM or SIGINT (Ctrl-C): the name of the one that came.
-pub async fn signalled() -> &'static str {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        if let (Ok(mut term), Ok(mut int)) = (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-        ) {
-            return tokio::select! {
-                _ = term.recv() => "SIGTERM",
-                _ = int.recv() => "SIGINT",
-            };
-        }
-    }
-    let _ = tokio::signal::ctrl_c().await;
-    "SIGINT"
 }
 
 /// Run the controller until the process is signalled (SIGTERM or SIGINT); `Err` when the
@@ -594,346 +480,4 @@ async fn cleanup(obj: Arc<DlqReplay>, ctx: Arc<Context>) -> Result<Action, Error
     }
     crate::metrics::Metrics::global().forget_replay(&obj.namespace_or_default(), &obj.name_any());
     Ok(Action::await_change())
-}
-
-/// An ended replay's spec may still change (`spec.suspend`, the one field that is not
-/// immutable): that changes nothing, but its status is written again for the new generation, so
-/// kstatus, Argo CD and `kubectl wait` do not read the replay as in progress for ever.
-async fn observe_generation(ctx: &Context, obj: &DlqReplay) -> Result<(), Error> {
-    let Some(status) = obj.status.as_ref() else {
-        return Ok(());
-    };
-    if status.observed_generation == obj.meta().generation {
-        return Ok(());
-    }
-    write_status_once(ctx, obj, status).await?;
-    Ok(())
-}
-
-/// Write a waiting phase (Pending/Suspended) with its reason, only when it changed (a write
-/// triggers another reconcile).
-async fn set_pending(
-    ctx: &Context,
-    obj: &DlqReplay,
-    phase: Phase,
-    message: &str,
-) -> Result<(), Error> {
-    let mut status = obj.status.clone().unwrap_or_default();
-    // Written again for a new generation (`spec.suspend` changed), so observedGeneration
-    // follows the spec (kstatus and Argo CD read a status older than the spec as in progress).
-    if status.phase == Some(phase)
-        && status.message.as_deref() == Some(message)
-        && status.observed_generation == obj.meta().generation
-    {
-        return Ok(());
-    }
-    status.phase = Some(phase);
-    status.message = Some(message.to_string());
-    write_status_once(ctx, obj, &status).await?;
-    Ok(())
-}
-
-/// [`write_status`] from a reconcile: one attempt, and a failure fails the reconcile, whose
-/// error policy tries again in 5 s (a reconcile must not hold a graceful shutdown for a status
-/// retry budget).
-async fn write_status_once(
-    ctx: &Context,
-    obj: &DlqReplay,
-    next: &DlqReplayStatus,
-) -> Result<DlqReplayStatus, Error> {
-    let once = CancellationToken::new();
-    once.cancel();
-    write_status(ctx, obj, next, &once).await
-}
-
-/// Write `next` as the replay's status: a server-side apply of the whole status under
-/// [`MANAGER`] (forced: the status is the operator's alone), with `observedGeneration` and
-/// standard conditions that carry their own. A write that fails for a reason that may pass (the
-/// API server unreachable or overloaded, a conflict) is tried again with backoff for up to
-/// `settings.status_retry`, unless `stop` is cancelled first; then the error is returned: the
-/// status was not written, and the caller must not assume it was. Metrics and events follow a
-/// write that succeeded. Returns the status as written.
-async fn write_status(
-    ctx: &Context,
-    obj: &DlqReplay,
-    next: &DlqReplayStatus,
-    stop: &CancellationToken,
-) -> Result<DlqReplayStatus, Error> {
-    let ns = obj.namespace_or_default();
-    let api: Api<DlqReplay> = Api::namespaced(ctx.client.clone(), &ns);
-    let generation = obj.meta().generation;
-    let previous = obj
-        .status
-        .as_ref()
-        .map(|s| s.conditions.clone())
-        .unwrap_or_default();
-    let mut status = next.clone();
-    status.observed_generation = generation;
-    // The engine's statuses do not know which retry they run for: the operator's record stays.
-    if status.retried_for.is_none() {
-        status.retried_for = obj.status.as_ref().and_then(|s| s.retried_for.clone());
-    }
-    status.conditions = status::conditions(&status, &previous, generation, &status::now());
-    let body = status::apply_body(&status);
-    let params = PatchParams::apply(MANAGER).force();
-    let started = Instant::now();
-    let mut delays = engine::backoff(Duration::from_secs(4));
-    // Each attempt is bounded: an API server that takes the connection and never answers must
-    // not hold a shutdown for the client's read timeout (295 s).
-    let (name, patch) = (obj.name_any(), Patch::Apply(&body));
-    let attempt = || async {
-        let write = api.patch_status(&name, &params, &patch);
-        match tokio::time::timeout(API_CALL_TIMEOUT, write).await {
-            Ok(written) => written.map(|_| ()),
-            Err(_) => Err(kube::Error::Service("no answer within 5 s".into())),
-        }
-    };
-    while let Err(e) = attempt().await {
-        let delay = delays.next().unwrap_or(Duration::from_secs(4));
-        let budget_left = started.elapsed() + delay <= ctx.settings.status_retry;
-        if !status::worth_retrying(&e) || !budget_left || stop.is_cancelled() {
-            return Err(e.into());
-        }
-        tracing::warn!(error = %e, replay = %key_of(obj), retry_in_ms = delay.as_millis() as u64, "writing status; trying again");
-        tokio::select! {
-            _ = tokio::time::sleep(delay) => {}
-            _ = stop.cancelled() => return Err(e.into()),
-        }
-    }
-    let old_phase = obj.status.as_ref().and_then(|s| s.phase);
-    let metrics = crate::metrics::Metrics::global();
-    metrics.count(
-        &obj.status.clone().unwrap_or_default().counts,
-        &status.counts,
-    );
-    metrics.phase_change(old_phase, status.phase);
-    metrics.observe_replay(
-        &ns,
-        &name,
-        Some(&status),
-        obj.spec.poison.max_quarantine_ratio,
-    );
-    if old_phase != status.phase {
-        publish_event(ctx, obj, &status).await;
-    }
-    let old_canaries = obj
-        .status
-        .as_ref()
-        .map(|s| s.canary.clone())
-        .unwrap_or_default();
-    for (signature, result, reason) in status::canary_changes(&old_canaries, &status.canary) {
-        let warning = matches!(result, CanaryResult::DiedAgain | CanaryResult::Unconfirmed);
-        let note = format!(
-            "canary of {signature}: {result:?}{}",
-            reason.map(|r| format!(" ({r})")).unwrap_or_default()
-        );
-        emit(ctx, obj, warning, &format!("Canary{result:?}"), Some(note)).await;
-    }
-    Ok(status)
-}
-
-async fn emit(ctx: &Context, obj: &DlqReplay, warning: bool, reason: &str, note: Option<String>) {
-    let ev = Event {
-        type_: if warning {
-            EventType::Warning
-        } else {
-            EventType::Normal
-        },
-        reason: reason.into(),
-        note,
-        action: "Replay".into(),
-        secondary: None,
-    };
-    let reference = obj.object_ref(&());
-    let publish = ctx.recorder.publish(&ev, &reference);
-    match tokio::time::timeout(API_CALL_TIMEOUT, publish).await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => tracing::warn!(error = %e, "publishing an event"),
-        Err(_) => tracing::warn!("publishing an event: no answer within 5 s"),
-    }
-}
-
-async fn publish_event(ctx: &Context, obj: &DlqReplay, status: &DlqReplayStatus) {
-    let phase = status.phase.unwrap_or(Phase::Pending);
-    let warning = matches!(phase, Phase::Failed | Phase::CanaryFailed);
-    emit(
-        ctx,
-        obj,
-        warning,
-        &phase.to_string(),
-        status.message.clone(),
-    )
-    .await;
-}
-
-/// What the operator stopping a replay (not the user) leaves in its status: `Pending`, because
-/// the replay waits for an operator to lead again and resume it; `Suspended` would read as the
-/// user's `spec.suspend`.
-fn operator_stopped(status: DlqReplayStatus) -> DlqReplayStatus {
-    let canary = status::canary_wait_note(&status)
-        .map(|n| format!("; {n}"))
-        .unwrap_or_default();
-    let message = format!(
-        "OperatorStopped: the operator stopped (shutdown or lost lease) after the in-flight messages settled; the next operator to lead resumes it{canary}; so far {}",
-        engine::summary(&status.counts)
-    );
-    DlqReplayStatus {
-        phase: Some(Phase::Pending),
-        message: Some(message),
-        ..status
-    }
-}
-
-/// Run the engine for one replay, writing its status as it goes. `by_user` is set when the
-/// stop that `cancel` brings is the user's `spec.suspend`.
-async fn drive(
-    ctx: Arc<Context>,
-    obj: Arc<DlqReplay>,
-    replay: Replay,
-    cancel: CancellationToken,
-    by_user: Arc<AtomicBool>,
-) {
-    let key = key_of(&obj);
-    let (tx, mut rx) = watch::channel(obj.status.clone().unwrap_or_default());
-    // spec.audit.retentionSeconds: the keys' expiry is kept while it runs and set at its end.
-    let retention = engine::store::retention(&replay, tx.subscribe());
-    let writer_ctx = ctx.clone();
-    let writer_obj = obj.clone();
-    let interval = ctx.settings.status_interval;
-    // Ends the retries of a progress write once the engine is done: the final write follows.
-    let writer_stop = cancel.child_token();
-    let writer_cancel = writer_stop.clone();
-    let writer = tokio::spawn(async move {
-        let mut current = (*writer_obj).clone();
-        let mut last_at = Instant::now();
-        let mut last: Option<DlqReplayStatus> = None;
-        loop {
-            let changed = tokio::time::timeout(interval, rx.changed()).await;
-            if matches!(changed, Ok(Err(_))) {
-                break;
-            }
-            let next = rx.borrow_and_update().clone();
-            let elapsed = last_at.elapsed().as_millis();
-            if status::should_write(last.as_ref(), &next, elapsed, interval.as_millis()) {
-                match write_status(&writer_ctx, &current, &next, &writer_cancel).await {
-                    Ok(written) => {
-                        current.status = Some(written);
-                        last = Some(next);
-                        last_at = Instant::now();
-                    }
-                    // Not written, so not assumed: `last` stays, and the next turn (at most
-                    // `interval` later) writes the newest status, a phase change included.
-                    Err(e) => {
-                        tracing::warn!(error = %e, replay = %key_of(&current), "writing status")
-                    }
-                }
-            }
-        }
-        current
-    });
-    let result = engine::run(&replay, &ctx.settings.engine, &tx, &cancel).await;
-    drop(tx);
-    writer_stop.cancel();
-    let current = writer.await.unwrap_or_else(|_| (*obj).clone());
-    // A stop that is not the user's suspend (shutdown, lost lease, deletion) leaves what did not
-    // end waiting for the next operator: Pending/OperatorStopped, whether the engine stopped
-    // draining (Suspended), waiting for its pre-flight (Pending) or waiting on its canaries.
-    let operator_stop = cancel.is_cancelled() && !by_user.load(Ordering::SeqCst);
-    let final_status = match result {
-        Ok(s) if operator_stop && !s.phase.is_some_and(Phase::is_terminal) => operator_stopped(s),
-        Ok(s) => s,
-        Err(_) if operator_stop => operator_stopped(current.status.clone().unwrap_or_default()),
-        Err(e) => DlqReplayStatus {
-            phase: Some(Phase::Pending),
-            message: Some(format!("Unavailable: {e}; retrying")),
-            ..current.status.clone().unwrap_or_default()
-        },
-    };
-    if current.status.as_ref() != Some(&final_status) {
-        // Not cancellable (the task is being stopped already), bounded by status_retry.
-        if let Err(e) = write_status(&ctx, &current, &final_status, &CancellationToken::new()).await
-        {
-            tracing::warn!(error = %e, replay = %key, "writing the final status");
-        }
-    }
-    if let Some(expiry) = retention {
-        // Bounded: a Redis that does not answer must not hold a shutdown.
-        let _ = tokio::time::timeout(API_CALL_TIMEOUT, expiry).await;
-    }
-    ctx.tasks.lock().await.remove(&key);
-    tracing::info!(replay = %key, phase = ?final_status.phase, "replay task ended");
-}
-
-/// Resolve the Secret references of a replay into URLs; the error says which is missing.
-pub async fn resolve(client: &Client, obj: &DlqReplay) -> Result<Replay, String> {
-    let ns = obj.namespace_or_default();
-    let spec = &obj.spec;
-    let amqp_url = url_of(client, &ns, &spec.broker, "spec.broker").await?;
-    let redis = spec
-        .idempotency
-        .as_ref()
-        .and_then(|i| i.redis.as_ref().map(|r| (r, "spec.idempotency.redis")))
-        .or_else(|| {
-            spec.audit
-                .as_ref()
-                .and_then(|a| a.redis.as_ref().map(|r| (r, "spec.audit.redis")))
-        })
-        .ok_or_else(|| "NoRedis: set spec.idempotency.redis or spec.audit.redis".to_string())?;
-    let redis_url = url_of(client, &ns, redis.0, redis.1).await?;
-    Ok(Replay {
-        namespace: ns,
-        name: obj.name_any(),
-        spec: spec.clone(),
-        amqp_url,
-        redis_url,
-        uid: obj.uid(),
-    })
-}
-
-async fn url_of(
-    client: &Client,
-    ns: &str,
-    c: &ConnectionSpec,
-    path: &str,
-) -> Result<String, String> {
-    if let Some(u) = &c.url {
-        return Ok(u.clone());
-    }
-    let Some(r) = &c.url_secret_ref else {
-        return Err(format!("NoUrl: {path} has neither url nor urlSecretRef"));
-    };
-    let secrets: Api<Secret> = Api::namespaced(client.clone(), ns);
-    let secret = secrets
-        .get_opt(&r.name)
-        .await
-        .map_err(|e| {
-            format!(
-                "SecretUnreadable: Secret {ns}/{} ({path}.urlSecretRef): {e}",
-                r.name
-            )
-        })?
-        .ok_or_else(|| {
-            format!(
-                "SecretMissing: Secret {ns}/{} ({path}.urlSecretRef) does not exist",
-                r.name
-            )
-        })?;
-    let value = secret
-        .data
-        .as_ref()
-        .and_then(|d| d.get(&r.key))
-        .map(|b| String::from_utf8_lossy(&b.0).trim().to_string())
-        .or_else(|| {
-            secret
-                .string_data
-                .as_ref()
-                .and_then(|d| d.get(&r.key).cloned())
-        })
-        .ok_or_else(|| {
-            format!(
-                "SecretKeyMissing: Secret {ns}/{} has no key {:?} ({path}.urlSecretRef)",
-                r.name, r.key
-            )
-        })?;
-    Ok(value)
 }
