@@ -326,7 +326,7 @@ pub struct AuditSpec {
     #[serde(default = "default_retention_seconds")]
     #[schemars(range(min = 3600, max = 315_360_000))]
     pub retention_seconds: u64,
-    /// Where the audit rows go: `Redis` (default: a stream in the replay's Redis, about 90 bytes
+    /// Where the audit rows go: `Redis` (default: a stream in the replay's Redis, about 80 bytes
     /// a row, read back by `dlq-replay audit` and `report`) or `Log` (one JSON line per row,
     /// marked `"audit":"dlq-replay"`, on the operator's (or `dlq-replay run`'s) standard error,
     /// which the cluster's log collector keeps; Redis then keeps only the replay's state and

@@ -5,8 +5,9 @@
 //! decision (upper case for a canary), the idempotency key without the replay's key prefix, the
 //! reason, and the destination and failure signature as numbers into the replay's dictionary (a
 //! small hash beside the stream, [`super::Keys::dict`]). The replay id is in the stream's key and
-//! the time in the entry's id, so neither is stored per row. About 90 bytes a row where the
-//! self-describing rows of earlier versions took about 260; those are still read.
+//! the time in the entry's id, so neither is stored per row. About 80 bytes a row, where the
+//! self-describing rows of earlier versions took about 270 (the bench's `redis` section); those
+//! are still read.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
