@@ -131,7 +131,7 @@ impl CrdSchema {
     }
 
     /// Validation of a whole object (pruned and defaulted): the schema, then the CEL rules
-    /// (skipped, as by kube-apiserver, when a field has the wrong type). `old` is the stored
+    /// (skipped, as by kube-apiserver, when a schema error is one of [`BLOCKING`]). `old` is the stored
     /// object of an update: transition rules are evaluated against it, and what failed but did
     /// not change passes (ratcheting).
     pub fn validate(&self, obj: &Value, old: Option<&Value>) -> Vec<Violation> {
@@ -141,11 +141,11 @@ impl CrdSchema {
             .map(|e| schema_violation(&e))
             .collect();
         ratchet(&mut found, obj, old);
-        if found.iter().any(|v| v.reason == "FieldValueTypeInvalid") {
+        if found.iter().any(|v| BLOCKING.contains(&v.reason)) {
             found.push(Violation {
                 field: "<nil>".into(),
                 reason: "FieldValueInvalid",
-                detail: "Invalid value: \"null\": some validation rules were not checked because the object was invalid; correct the existing errors to complete validation".into(),
+                detail: "Invalid value: null: some validation rules were not checked because the object was invalid; correct the existing errors to complete validation".into(),
                 message: "some validation rules were not checked because the object was invalid; correct the existing errors to complete validation".into(),
                 node: String::new(),
                 transition: false,
@@ -205,6 +205,17 @@ impl CrdSchema {
         }
     }
 }
+
+/// The reasons of the schema errors that keep kube-apiserver (v1.36) from evaluating the CEL
+/// rules (`hasBlockingErr` of apiextensions-apiserver's `pkg/registry/customresource`): it then
+/// adds one `<nil>` cause saying some rules were not checked.
+pub const BLOCKING: &[&str] = &[
+    "FieldValueNotSupported",
+    "FieldValueRequired",
+    "FieldValueTooLong",
+    "FieldValueTooMany",
+    "FieldValueTypeInvalid",
+];
 
 /// Evaluates one CEL rule with `self` bound to `value` (schema: `self_schema`), in the same
 /// environment as the rules of a CRD: `Ok(true)` when it holds.
@@ -700,6 +711,8 @@ mod tests {
                 "spec.list[0]|FieldValueInvalid",
                 "spec.n|FieldValueInvalid",
                 "spec.s|FieldValueTooLong",
+                // TooMany and TooLong keep kube-apiserver from the CEL rules, and it says so.
+                "<nil>|FieldValueInvalid",
             ]
         );
         assert_eq!(
@@ -715,7 +728,14 @@ mod tests {
             "Invalid value: 0: should be greater than or equal to 1"
         );
         let v = s.validate(&json!({"spec": {}}), None);
-        assert_eq!(fields(&v), ["spec.n|FieldValueRequired"]);
+        assert_eq!(
+            fields(&v),
+            ["spec.n|FieldValueRequired", "<nil>|FieldValueInvalid"]
+        );
+        assert_eq!(
+            v[1].detail,
+            "Invalid value: null: some validation rules were not checked because the object was invalid; correct the existing errors to complete validation"
+        );
     }
 
     #[test]

@@ -37,7 +37,7 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use bytes::Bytes;
-use dlq_replay::manifest::structural::{CrdSchema, Violation};
+use dlq_replay::manifest::structural::{CrdSchema, Violation, BLOCKING};
 use http_body_util::{combinators::UnsyncBoxBody, BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
@@ -182,16 +182,6 @@ struct Schemas {
     full: CrdSchema,
     shape: Option<CrdSchema>,
 }
-
-/// The reasons of the schema errors that keep kube-apiserver from evaluating the CEL rules
-/// (`hasBlockingErr` of apiextensions-apiserver's `pkg/registry/customresource`).
-const BLOCKING: &[&str] = &[
-    "FieldValueNotSupported",
-    "FieldValueRequired",
-    "FieldValueTooLong",
-    "FieldValueTooMany",
-    "FieldValueTypeInvalid",
-];
 
 /// One cause of a 422 `Invalid`: the field, the reason and kube-apiserver's text after the field.
 struct Cause {
