@@ -426,7 +426,10 @@ async fn run(args: RunArgs) -> Result<ExitCode, Error> {
             None => {}
         }
     }
-    let status = run_with_progress(&replay, &opts, !args.no_progress).await?;
+    // With the audit rows on stderr (spec.audit.sink: Log) they are the progress: a bar redrawn
+    // on the same stream would cut into them.
+    let bar = !args.no_progress && replay.spec.audit_sink() != crate::api::AuditSink::Log;
+    let status = run_with_progress(&replay, &opts, bar).await?;
     resource.status = Some(status.clone());
     print_resource(&resource, args.output)?;
     Ok(exit_for(&status))
