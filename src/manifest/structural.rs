@@ -175,11 +175,6 @@ impl CrdSchema {
             .and_then(|fp| e.field_path.strip_suffix(fp))
             .unwrap_or(&e.field_path)
             .to_string();
-        let node_type = schema_at(&self.schema, &node)
-            .and_then(|s| s.get("type"))
-            .and_then(Value::as_str)
-            .unwrap_or("object")
-            .to_string();
         let failed = matches!(e.kind, kube_cel::ErrorKind::ValidationFailure);
         let reason = match e.reason.as_deref() {
             Some("FieldValueForbidden") if failed => "FieldValueForbidden",
@@ -189,7 +184,9 @@ impl CrdSchema {
         let detail = match reason {
             "FieldValueForbidden" => format!("Forbidden: {}", e.message),
             "FieldValueRequired" => format!("Required value: {}", e.message),
-            _ => format!("Invalid value: \"{node_type}\": {}", e.message),
+            // kube-apiserver v1.36 names no value for a failed rule (earlier ones wrote the
+            // node's type, `Invalid value: "object": ...`).
+            _ => format!("Invalid value: {}", e.message),
         };
         Violation {
             field: if e.field_path.is_empty() {
@@ -429,19 +426,6 @@ fn value_at<'a>(value: &'a Value, path: &[Seg]) -> Option<&'a Value> {
         Seg::Key(k) => v.get(k),
         Seg::Index(i) => v.get(*i),
     })
-}
-
-/// The schema of the node at `path` (list items for an index).
-fn schema_at<'a>(schema: &'a Value, path: &str) -> Option<&'a Value> {
-    parse_path(path)
-        .iter()
-        .try_fold(schema, |s, seg| match seg {
-            Seg::Key(k) => s
-                .get("properties")
-                .and_then(|p| p.get(k))
-                .or_else(|| s.get("additionalProperties").filter(|a| a.is_object())),
-            Seg::Index(_) => s.get("items"),
-        })
 }
 
 /// Drops what an update did not change (ratcheting): a violation whose node has the same value
@@ -753,7 +737,7 @@ mod tests {
         let s = schema();
         let v = s.validate(&json!({"spec": {"n": 2, "s": "no"}}), None);
         assert_eq!(fields(&v), ["spec.s|FieldValueInvalid"]);
-        assert_eq!(v[0].detail, "Invalid value: \"object\": not no");
+        assert_eq!(v[0].detail, "Invalid value: not no");
         let old = json!({"spec": {"n": 1}});
         let v = s.validate(&json!({"spec": {"n": 2}}), Some(&old));
         assert_eq!(fields(&v), ["spec.n|FieldValueForbidden"]);

@@ -191,21 +191,12 @@ struct Cause {
 }
 
 impl Cause {
-    /// The cause of a violation as kube-apiserver v1.36 writes it: a failed CEL rule says
-    /// `Invalid value: MESSAGE`, without the type of the rule's node (`structural` writes
-    /// `Invalid value: "object": MESSAGE`); on the `/status` subresource (`status_sub`), where only
+    /// The cause of a violation as kube-apiserver v1.36 writes it (`structural` writes the
+    /// texts as the server does); on the `/status` subresource (`status_sub`), where only
     /// the status is checked against its schema, a schema error's text names the field from the
     /// status down (`counts.scanned in body should ...`).
     fn of(v: &Violation, status_sub: bool) -> Cause {
         let mut detail = v.detail.clone();
-        if v.reason == "FieldValueInvalid" {
-            for t in ["object", "array", "string", "integer", "number", "boolean"] {
-                if detail == format!("Invalid value: \"{t}\": {}", v.message) {
-                    detail = format!("Invalid value: {}", v.message);
-                    break;
-                }
-            }
-        }
         if status_sub {
             if let Some(rest) = v.field.strip_prefix("status.") {
                 detail = detail.replace(
