@@ -143,6 +143,17 @@ impl Counts {
         })
     }
 
+    /// Counts whose every field is `value(name)` ([`Counts::by_field`]'s names).
+    pub fn from_fields(value: impl Fn(&str) -> u64) -> Counts {
+        let mut c = Counts::default();
+        for (name, _) in Counts::default().by_field() {
+            if let Some(f) = c.field_mut(name) {
+                *f = value(name);
+            }
+        }
+        c
+    }
+
     /// Add `other`, field by field.
     pub fn add(&mut self, other: &Counts) {
         for (name, n) in other.by_field() {

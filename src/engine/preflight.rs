@@ -8,10 +8,7 @@ use crate::Error;
 /// How the replay's audit rows are written.
 pub(super) fn audit_config(spec: &DlqReplaySpec) -> store::AuditConfig {
     store::AuditConfig {
-        sink: match spec.audit_sink() {
-            AuditSink::Redis => store::Sink::Redis,
-            AuditSink::Log => store::Sink::Log,
-        },
+        sink: spec.audit_sink(),
         key_prefix: spec
             .idempotency
             .as_ref()

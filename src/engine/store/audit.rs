@@ -9,6 +9,7 @@
 //! self-describing rows of earlier versions took about 270 (the bench's `redis` section); those
 //! are still read.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -82,36 +83,27 @@ impl Decision {
     }
 
     /// The one letter a stream entry keeps: the name's first, upper case for a canary.
-    fn code(self, canary: bool) -> char {
-        let c = self.as_str().as_bytes()[0] as char;
-        if canary {
-            c.to_ascii_uppercase()
-        } else {
-            c
+    fn code(self, canary: bool) -> &'static str {
+        match (self, canary) {
+            (Decision::Replayed, false) => "r",
+            (Decision::Replayed, true) => "R",
+            (Decision::Duplicate, false) => "d",
+            (Decision::Duplicate, true) => "D",
+            (Decision::Quarantined, false) => "q",
+            (Decision::Quarantined, true) => "Q",
+            (Decision::Failed, false) => "f",
+            (Decision::Failed, true) => "F",
         }
     }
 
     fn of_code(code: &str) -> Option<(Self, bool)> {
-        let mut chars = code.chars();
-        let (c, None) = (chars.next()?, chars.next()) else {
-            return None;
-        };
-        let d = Self::ALL
-            .into_iter()
-            .find(|d| d.code(false) == c.to_ascii_lowercase())?;
-        Some((d, c.is_ascii_uppercase()))
+        Self::ALL.into_iter().find_map(|d| {
+            [false, true]
+                .into_iter()
+                .find(|&canary| d.code(canary) == code)
+                .map(|canary| (d, canary))
+        })
     }
-}
-
-/// Where a replay's audit rows go (`spec.audit.sink`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum Sink {
-    /// The replay's Redis stream.
-    #[default]
-    Redis,
-    /// One JSON line per row on standard error (the operator's log stream), written before the
-    /// batch's commit; Redis keeps only the count.
-    Log,
 }
 
 /// The field names of a compact stream entry, in order.
@@ -176,27 +168,30 @@ impl Encoder {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Encode `rows` into `out` (six values per row, in [`FIELDS`] order), numbering new
-    /// values; returns the definitions this commit must store along with them.
-    pub(super) fn encode(&self, rows: &[AuditRow], out: &mut Vec<String>) -> Definitions {
+    /// Encode `rows` into `out` (six cells per row, in [`FIELDS`] order), numbering new
+    /// values; returns the definitions this commit must store along with them. The cells borrow
+    /// from the rows: a row costs no allocation on the commit's path (but a key outside the
+    /// prefix or an unknown decision, which never come from the engine).
+    pub(super) fn encode<'r>(&self, rows: &'r [AuditRow], out: &mut Vec<Cell<'r>>) -> Definitions {
         let mut d = self.lock();
         let from = d.stored;
         for row in rows {
-            let decision = Decision::parse(&row.decision)
-                .map(|d| d.code(row.canary).to_string())
-                .unwrap_or_else(|| format!("={}", row.decision));
+            let decision = match Decision::parse(&row.decision) {
+                Some(dec) => Cell::Text(Cow::Borrowed(dec.code(row.canary))),
+                None => Cell::Text(Cow::Owned(format!("={}", row.decision))),
+            };
             let key = match row.key.strip_prefix(d.prefix.as_str()) {
-                Some(rest) if !row.key.is_empty() && !rest.starts_with('=') => rest.to_string(),
-                _ if row.key.is_empty() => String::new(),
-                _ => format!("={}", row.key),
+                _ if row.key.is_empty() => Cell::Text(Cow::Borrowed("")),
+                Some(rest) if !rest.starts_with('=') => Cell::Text(Cow::Borrowed(rest)),
+                _ => Cell::Text(Cow::Owned(format!("={}", row.key))),
             };
             let destination = d.number(&row.destination);
             let signature = d.number(&row.signature);
             out.extend([
-                row.message.clone(),
+                Cell::Text(Cow::Borrowed(&row.message)),
                 decision,
                 key,
-                row.reason.clone(),
+                Cell::Text(Cow::Borrowed(&row.reason)),
                 destination,
                 signature,
             ]);
@@ -216,18 +211,45 @@ impl Encoder {
 }
 
 impl Dict {
-    /// The number of `value` as a stream value ("" for no value).
-    fn number(&mut self, value: &str) -> String {
+    /// The cell of `value`: its number, or "" for no value.
+    fn number(&mut self, value: &str) -> Cell<'static> {
         if value.is_empty() {
-            return String::new();
+            return Cell::Text(Cow::Borrowed(""));
         }
-        if let Some(n) = self.numbers.get(value) {
-            return n.to_string();
+        if let Some(&n) = self.numbers.get(value) {
+            return Cell::Number(n);
         }
         let n = self.values.len();
         self.values.push(value.to_string());
         self.numbers.insert(value.to_string(), n);
-        n.to_string()
+        Cell::Number(n)
+    }
+}
+
+/// One value of a compact stream entry, as the commit passes it to Redis.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Cell<'a> {
+    /// A text (borrowed from the row where it can be).
+    Text(Cow<'a, str>),
+    /// A dictionary number (Redis keeps it as the integer's digits).
+    Number(usize),
+}
+
+impl redis::ToRedisArgs for Cell<'_> {
+    fn write_redis_args<W: ?Sized + redis::RedisWrite>(&self, out: &mut W) {
+        match self {
+            Cell::Text(t) => t.as_ref().write_redis_args(out),
+            Cell::Number(n) => n.write_redis_args(out),
+        }
+    }
+}
+
+impl std::fmt::Display for Cell<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Cell::Text(t) => f.write_str(t),
+            Cell::Number(n) => write!(f, "{n}"),
+        }
     }
 }
 
@@ -400,11 +422,11 @@ mod tests {
         }
     }
 
-    fn decode(values: &[String], defs: &Definitions) -> AuditRow {
+    fn decode(values: &[Cell], defs: &Definitions) -> AuditRow {
         let fields = FIELDS
             .iter()
             .zip(values)
-            .map(|(f, v)| (f.to_string(), v.clone()))
+            .map(|(f, v)| (f.to_string(), v.to_string()))
             .collect();
         let dict: HashMap<String, String> = definition_fields(defs)
             .chunks(2)
@@ -422,7 +444,11 @@ mod tests {
                 let row = full(canary, d);
                 let defs = enc.encode(std::slice::from_ref(&row), &mut out);
                 assert_eq!(out.len(), FIELDS.len());
-                assert_eq!(out[2], "0123456789abcdef0123456789abcdef", "prefix dropped");
+                assert_eq!(
+                    out[2].to_string(),
+                    "0123456789abcdef0123456789abcdef",
+                    "prefix dropped"
+                );
                 let back = decode(&out, &defs);
                 assert_eq!(back.time, "2024-12-04T08:13:20.123Z");
                 assert_eq!(
@@ -476,7 +502,7 @@ mod tests {
         let again = Encoder::new("p:", stored);
         let mut out = Vec::new();
         let defs = again.encode(&rows[..1], &mut out);
-        assert_eq!(out[4], "0");
+        assert_eq!(out[4], Cell::Number(0));
         assert_eq!((defs.from, defs.values.len()), (1, 1));
     }
 

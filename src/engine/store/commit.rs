@@ -1,8 +1,9 @@
 //! A batch's outcome, written once: the audit rows, the settled marks, the ends of its claims
 //! and the count deltas, in one script call that a retry after a lost answer cannot apply twice.
 
-use super::audit::{self, Sink};
+use super::audit;
 use super::{confirmed_claim, AuditRow, Retries, Store};
+use crate::api::AuditSink;
 use crate::api::Counts;
 use crate::Error;
 
@@ -119,7 +120,7 @@ impl Store {
         release: &[ClaimEnd],
         delta: &Counts,
     ) -> Result<(u64, u64), Error> {
-        if self.sink == Sink::Log && !rows.is_empty() {
+        if self.sink == AuditSink::Log && !rows.is_empty() {
             // Written before the commit, as a stream entry would be: the messages are acked
             // only after both. A commit retried after a lost answer does not write them again.
             audit::log_rows(rows, &self.names.0, &self.names.1)?;
@@ -157,16 +158,16 @@ impl Store {
             .key(&self.keys.state)
             .key(&self.keys.dict);
         inv.arg(uuid::Uuid::new_v4().simple().to_string());
-        let mut values = Vec::new();
+        let mut values = Vec::with_capacity(rows.len() * audit::FIELDS.len());
         let defined = match self.sink {
-            Sink::Redis => {
+            AuditSink::Redis => {
                 let defs = self.encoder.encode(rows, &mut values);
                 let fields = audit::definition_fields(&defs);
                 inv.arg(fields.len() / 2).arg(fields);
                 inv.arg(audit::FIELDS.len()).arg(audit::FIELDS.as_slice());
                 defs.from + defs.values.len()
             }
-            Sink::Log => {
+            AuditSink::Log => {
                 inv.arg(0).arg(0);
                 0
             }

@@ -22,10 +22,10 @@ use std::time::Duration;
 use redis::aio::ConnectionManager;
 use tokio_util::sync::CancellationToken;
 
-use crate::api::Counts;
+use crate::api::{AuditSink, Counts};
 use crate::Error;
 
-pub use audit::{read_audit, rows_of_log, AuditRow, Decision, Sink};
+pub use audit::{read_audit, rows_of_log, AuditRow, Decision};
 pub use commit::ClaimEnd;
 pub use held::{claim_value, confirmed_claim, Held};
 pub use lookup::Lookup;
@@ -123,7 +123,7 @@ pub struct Store {
     /// The replay's stop: it ends a wait between retries (see [`Store::stop_on`]).
     stop: Option<CancellationToken>,
     /// Where the audit rows go.
-    sink: Sink,
+    sink: AuditSink,
     /// How rows become stream entries (shared by the clones).
     encoder: audit::Encoder,
     /// The replay's namespace and name, as log rows say them.
@@ -134,7 +134,7 @@ pub struct Store {
 #[derive(Debug, Clone, Default)]
 pub struct AuditConfig {
     /// Where the rows go.
-    pub sink: Sink,
+    pub sink: AuditSink,
     /// The prefix every idempotency key of the replay starts with (rows keep the rest).
     pub key_prefix: String,
 }
@@ -286,15 +286,7 @@ fn parse_state(map: &HashMap<String, String>) -> State {
         attempt: n("attempt"),
         depth_at_start: n("depthAtStart"),
         started_at: map.get("startedAt").cloned().unwrap_or_default(),
-        counts: {
-            let mut c = Counts::default();
-            for (name, _) in Counts::default().by_field() {
-                if let Some(f) = c.field_mut(name) {
-                    *f = n(&commit::count_field(name));
-                }
-            }
-            c
-        },
+        counts: Counts::from_fields(|name| n(&commit::count_field(name))),
         records: n("records"),
         final_status: map.get("final").cloned(),
         canary: map.get("canary").cloned(),
@@ -311,7 +303,7 @@ pub(crate) mod testing {
         let con = connect(&url).await.expect("redis");
         let ns = format!("unit-{}", uuid::Uuid::new_v4().simple());
         let audit = AuditConfig {
-            sink: Sink::Redis,
+            sink: AuditSink::Redis,
             key_prefix: "idem:".into(),
         };
         Store::begin(con, &ns, name, 0, "now", &audit)
