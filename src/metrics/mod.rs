@@ -1,14 +1,14 @@
 //! `/metrics` (OpenMetrics text), `/healthz` and `/readyz` for the operator.
 
+mod http;
+
+pub use http::{router, serve, serve_on, OPENMETRICS};
+
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use axum::extract::State;
-use axum::http::{header, StatusCode};
-use axum::routing::get;
-use axum::Router;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -117,10 +117,6 @@ pub struct Metrics {
     ready: AtomicBool,
     parts: Mutex<BTreeMap<String, Part>>,
 }
-
-/// The content type of `/metrics`: what `prometheus_client`'s text encoder writes (OpenMetrics
-/// 1.0, ending in `# EOF`), so that Prometheus parses it as such.
-pub const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// One long-running part of the operator (the controller, the lease loop), for `/healthz`.
 #[derive(Clone, Debug)]
@@ -477,175 +473,5 @@ impl Metrics {
     }
 }
 
-/// The HTTP routes.
-pub fn router(metrics: Arc<Metrics>) -> Router {
-    Router::new()
-        .route(
-            "/metrics",
-            get(|State(m): State<Arc<Metrics>>| async move {
-                ([(header::CONTENT_TYPE, OPENMETRICS)], m.encode())
-            }),
-        )
-        .route(
-            "/healthz",
-            get(|State(m): State<Arc<Metrics>>| async move {
-                match m.health() {
-                    Ok(()) => (StatusCode::OK, "ok".to_string()),
-                    Err(why) => (StatusCode::SERVICE_UNAVAILABLE, why),
-                }
-            }),
-        )
-        .route(
-            "/readyz",
-            get(|State(m): State<Arc<Metrics>>| async move {
-                if m.ready.load(Ordering::Relaxed) {
-                    (StatusCode::OK, "ready")
-                } else {
-                    (StatusCode::SERVICE_UNAVAILABLE, "not ready")
-                }
-            }),
-        )
-        .with_state(metrics)
-}
-
-/// Serve the routes on `addr` until the process ends.
-pub async fn serve(addr: std::net::SocketAddr, metrics: Arc<Metrics>) -> std::io::Result<()> {
-    let listener = tokio::net::TcpListener::bind(addr).await?;
-    serve_on(listener, metrics).await
-}
-
-/// Serve the routes on a bound listener until the process ends.
-pub async fn serve_on(
-    listener: tokio::net::TcpListener,
-    metrics: Arc<Metrics>,
-) -> std::io::Result<()> {
-    axum::serve(listener, router(metrics)).await
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn health_fails_when_a_part_died_or_stalled_and_not_after_a_clean_stop() {
-        let m = Metrics::new();
-        assert!(m.health().is_ok());
-        m.alive("controller", None);
-        m.alive("lease", Some(Duration::from_secs(60)));
-        assert!(m.health().is_ok());
-        m.died("controller", "it panicked");
-        assert_eq!(
-            m.health().unwrap_err(),
-            "controller died: it panicked".to_string()
-        );
-        m.stopped("controller");
-        assert!(m.health().is_ok());
-        m.alive("lease", Some(Duration::ZERO));
-        std::thread::sleep(Duration::from_millis(5));
-        assert!(m.health().unwrap_err().starts_with("lease stalled"));
-    }
-
-    #[test]
-    fn a_replay_shows_its_phase_since_counts_canaries_and_ratio_until_forgotten() {
-        use crate::api::{CanaryResult, CanaryStatus, DlqReplayStatus, Phase};
-        let m = Metrics::new();
-        let mut s = DlqReplayStatus {
-            phase: Some(Phase::Pending),
-            ..Default::default()
-        };
-        m.observe_replay_at("media", "ep", Some(&s), Some(0.1), 100);
-        m.observe_replay_at("media", "ep", Some(&s), Some(0.1), 200);
-        let text = m.encode();
-        assert!(
-            text.contains(r#"dlq_replay_replay_phase_since_seconds{namespace="media",name="ep",phase="Pending"} 100"#),
-            "{text}"
-        );
-        assert!(
-            text.contains(
-                r#"dlq_replay_replay_max_quarantine_ratio{namespace="media",name="ep"} 0.1"#
-            ),
-            "{text}"
-        );
-        s.phase = Some(Phase::Draining);
-        s.counts.scanned = 10;
-        s.counts.quarantined = 3;
-        s.canary = vec![
-            CanaryStatus {
-                result: CanaryResult::Passed,
-                ..Default::default()
-            },
-            CanaryStatus {
-                result: CanaryResult::Passed,
-                ..Default::default()
-            },
-        ];
-        m.observe_replay_at("media", "ep", Some(&s), None, 300);
-        let text = m.encode();
-        assert!(!text.contains(r#"phase="Pending""#), "{text}");
-        assert!(text.contains(r#"phase="Draining"} 300"#), "{text}");
-        assert!(text.contains(r#"dlq_replay_replay_messages_total{namespace="media",name="ep",of="quarantined"} 3"#), "{text}");
-        assert!(
-            text.contains(
-                r#"dlq_replay_replay_canaries{namespace="media",name="ep",result="Passed"} 2"#
-            ),
-            "{text}"
-        );
-        assert!(
-            !text.contains("dlq_replay_replay_max_quarantine_ratio{"),
-            "{text}"
-        );
-        // A new replay under the same name: its counts start over.
-        s.counts.scanned = 4;
-        s.canary.clear();
-        m.observe_replay_at("media", "ep", Some(&s), None, 400);
-        let text = m.encode();
-        assert!(text.contains(r#"of="scanned"} 4"#), "{text}");
-        assert!(!text.contains("result=\"Passed\""), "{text}");
-        m.forget_replay("media", "ep");
-        let text = m.encode();
-        assert!(!text.contains(r#"name="ep""#), "{text}");
-        m.observe_replay_at("media", "ep", Some(&s), None, 500);
-        m.forget_replays();
-        assert!(!m.encode().contains(r#"name="ep""#));
-    }
-
-    #[test]
-    fn a_pending_replay_keeps_its_since_across_an_operator_restart() {
-        use crate::api::{DlqReplayStatus, Phase};
-        use crate::controller::status;
-        let at = |secs: i64| {
-            k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
-                k8s_openapi::jiff::Timestamp::from_second(secs).unwrap(),
-            )
-        };
-        let mut s = DlqReplayStatus {
-            phase: Some(Phase::Pending),
-            ..Default::default()
-        };
-        s.conditions = status::conditions(&s, &[], Some(1), &at(1_000));
-        // Still Pending at 1,300, when the operator wrote its status again.
-        s.conditions = status::conditions(&s, &s.conditions, Some(1), &at(1_300));
-        // A new operator (a restart, another leader) first sees it at 1,600.
-        let m = Metrics::new();
-        m.observe_replay_at("media", "ep", Some(&s), None, 1_600);
-        let text = m.encode();
-        assert!(
-            text.contains(r#"dlq_replay_replay_phase_since_seconds{namespace="media",name="ep",phase="Pending"} 1000"#),
-            "{text}"
-        );
-        // Never in the future, whatever the clocks say.
-        let m = Metrics::new();
-        m.observe_replay_at("media", "ep", Some(&s), None, 900);
-        assert!(m.encode().contains(r#"phase="Pending"} 900"#));
-    }
-
-    #[test]
-    fn the_text_is_openmetrics() {
-        let m = Metrics::new();
-        m.leader.set(1);
-        let text = m.encode();
-        assert!(text.contains("dlq_replay_leader 1"), "{text}");
-        assert!(text.trim_end().ends_with("# EOF"), "{text}");
-        assert!(OPENMETRICS.starts_with("application/openmetrics-text; version=1.0.0"));
-    }
-}
+mod tests;
