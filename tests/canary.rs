@@ -5,7 +5,7 @@ mod support;
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use dlq_replay::api::{CanaryResult, DlqReplayStatus, Phase};
+use dlq_replay::api::{CanaryResult, Phase, ReplayStatus};
 use dlq_replay::engine::{self, message, Options};
 use futures::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicRejectOptions};
@@ -86,9 +86,9 @@ fn canary_spec(w: &World, extra: &str) -> String {
     )
 }
 
-async fn run_with(w: &World, spec: &str, opts: Options) -> DlqReplayStatus {
+async fn run_with(w: &World, spec: &str, opts: Options) -> ReplayStatus {
     let resource = w.manifest(spec);
-    let (tx, _rx) = tokio::sync::watch::channel(DlqReplayStatus::default());
+    let (tx, _rx) = tokio::sync::watch::channel(ReplayStatus::default());
     engine::run(&w.replay(&resource), &opts, &tx, &CancellationToken::new())
         .await
         .unwrap()
@@ -143,7 +143,7 @@ async fn a_still_broken_consumer_sends_the_canary_back_and_nothing_else_moves(t:
     .await;
     let t = Instant::now();
     let resource = w.manifest(&canary_spec(&w, ""));
-    let (tx, mut rx) = tokio::sync::watch::channel(DlqReplayStatus::default());
+    let (tx, mut rx) = tokio::sync::watch::channel(ReplayStatus::default());
     let seen_at = tokio::spawn(async move {
         while rx.changed().await.is_ok() {
             if rx
@@ -258,7 +258,7 @@ async fn a_signature_that_arrives_after_the_canaries_were_chosen_is_held_back(t:
     let resource = w.manifest(&spec);
     let replay = w.replay(&resource);
     let run = tokio::spawn(async move {
-        let (tx, _rx) = tokio::sync::watch::channel(DlqReplayStatus::default());
+        let (tx, _rx) = tokio::sync::watch::channel(ReplayStatus::default());
         engine::run(&replay, &Options::default(), &tx, &CancellationToken::new()).await
     });
     // Wait until the canary is out (the DLQ holds the other five), then let two fail.

@@ -248,7 +248,7 @@ async fn a_missing_secret_keeps_it_pending_until_the_secret_exists(c: &Cluster) 
         .await
         .unwrap();
     let r = wait_for(&api, "sec", "Pending", |r| phase(r) == Some(Phase::Pending)).await;
-    let msg = r.status.unwrap().message.unwrap();
+    let msg = r.status.unwrap().replay.message.unwrap();
     assert!(
         msg.contains("SecretMissing") && msg.contains("rabbitmq"),
         "{msg}"
@@ -312,7 +312,7 @@ async fn an_evicting_redis_keeps_it_pending_until_its_policy_changes(c: &Cluster
         .unwrap();
     let r = wait_for(&api, "evict", "Done", |r| phase(r) == Some(Phase::Done)).await;
     let s = r.status.unwrap();
-    assert_eq!((s.counts.replayed, s.redis_eviction_risk), (5, None));
+    assert_eq!((s.counts.replayed, s.replay.redis_eviction_risk), (5, None));
     w.cleanup().await;
 }
 
@@ -504,13 +504,13 @@ async fn an_operator_restart_mid_drain_resumes_and_loses_nothing(c: &Cluster) {
         r.status.as_ref().is_some_and(|s| s.counts.replayed >= 5)
     })
     .await;
-    let id = before.status.unwrap().replay_id;
+    let id = before.status.unwrap().replay.replay_id;
     stop.send(()).unwrap();
     op.await.unwrap().unwrap();
     // The operator's own stop is not the user's suspend: the replay waits for the next leader.
     let stopped = api.get("rst").await.unwrap().status.unwrap();
     assert_eq!(stopped.phase, Some(Phase::Pending), "{stopped:?}");
-    let why = stopped.message.unwrap_or_default();
+    let why = stopped.replay.message.unwrap_or_default();
     assert!(why.starts_with("OperatorStopped:"), "{why}");
     let (_op2, _stop2) = operator(c);
     let r = wait_for(&api, "rst", "Done", |r| phase(r) == Some(Phase::Done)).await;
@@ -588,14 +588,14 @@ fn close_replay_connections(w: &World, ns: &str, name: &str) -> usize {
 /// dictionary); -2 for a key that is gone.
 async fn ttls(w: &World, r: &DlqReplay) -> Vec<(String, i64)> {
     let s = r.status.clone().unwrap();
-    let id = s.replay_id.unwrap();
+    let id = s.replay.replay_id.unwrap();
     let state_name = format!(
         "{}/{}@{}",
         r.namespace().unwrap(),
         r.name_any(),
         r.uid().unwrap()
     );
-    let audit = s.audit.unwrap().key;
+    let audit = s.replay.audit.unwrap().key;
     let keys = [
         format!("dlq:replay:{state_name}"),
         format!("dlq:settled:{state_name}/{id}"),
@@ -658,7 +658,7 @@ async fn a_failed_replay_is_retried_in_place_under_the_same_replay_id(c: &Cluste
         r.status.as_ref().is_some_and(|s| s.counts.replayed >= 5)
     })
     .await;
-    let id = before.status.unwrap().replay_id;
+    let id = before.status.unwrap().replay.replay_id;
     assert!(id.is_some());
     let t = Instant::now();
     while close_replay_connections(&w, c.ns(), "retry") == 0 {
@@ -763,7 +763,7 @@ async fn a_canary_failed_replay_is_retried_in_place_with_new_canaries(c: &Cluste
         phase(r) == Some(Phase::CanaryFailed)
     })
     .await;
-    let id = first.status.unwrap().replay_id;
+    let id = first.status.unwrap().replay.replay_id;
     // The fix is deployed; the retry sends a new canary.
     broken.store(false, Ordering::SeqCst);
     annotate_retry(&api, "recan", "after-fix").await;
@@ -1108,7 +1108,7 @@ async fn sigterm_mid_drain(c: &Cluster, n: u64, rate: &str, progress: u64) {
                 .is_some_and(|s| s.counts.replayed >= progress)
     })
     .await;
-    let id = before.status.unwrap().replay_id;
+    let id = before.status.unwrap().replay.replay_id;
     let (shutdown, exit) = a.terminate(Duration::from_secs(10)).await;
     let exited = Instant::now();
     eprintln!(
@@ -1206,7 +1206,7 @@ async fn deleting_a_replay_during_a_ten_minute_canary_wait_returns_within_second
     r.spec.canary.wait_seconds = 600;
     api.create(&PostParams::default(), &r).await.unwrap();
     let r = wait_for(&api, "wait", "Canary", |r| phase(r) == Some(Phase::Canary)).await;
-    let out = r.status.unwrap().canary.len() as u32;
+    let out = r.status.unwrap().replay.canary.len() as u32;
     assert_eq!(out, 1, "one signature, one canary");
     api.delete("wait", &DeleteParams::default()).await.unwrap();
     let t = Instant::now();
@@ -1243,7 +1243,7 @@ async fn suspending_during_the_canary_wait_says_so_and_resuming_sends_new_canari
     r.spec.canary.wait_seconds = 600;
     api.create(&PostParams::default(), &r).await.unwrap();
     let first = wait_for(&api, "sw", "Canary", |r| phase(r) == Some(Phase::Canary)).await;
-    let first = first.status.unwrap().canary;
+    let first = first.status.unwrap().replay.canary;
     suspend(&api, "sw", true).await;
     let t = Instant::now();
     let r = wait_for(&api, "sw", "Suspended", |r| {
@@ -1252,7 +1252,7 @@ async fn suspending_during_the_canary_wait_says_so_and_resuming_sends_new_canari
     .await;
     assert!(t.elapsed() < Duration::from_secs(10));
     // What the stop means for the canary that is out, and for the resume.
-    let msg = r.status.and_then(|s| s.message).unwrap_or_default();
+    let msg = r.status.and_then(|s| s.replay.message).unwrap_or_default();
     assert!(
         msg.contains("canary wait") && msg.contains("canary phase again"),
         "{msg}"

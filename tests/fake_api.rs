@@ -22,7 +22,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dlq_replay::api::{DlqReplay, DlqReplayStatus, Phase};
+use dlq_replay::api::{DlqReplay, DlqReplayStatus, Phase, ReplayStatus};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ObjectReference, Secret};
@@ -318,10 +318,10 @@ async fn generation_bumps_only_on_spec_changes(env: &Env) {
 async fn status_and_spec_are_separate(env: &Env) {
     let api = env.replays();
     let mut with_status = replay("sub", &env.ns);
-    with_status.status = Some(DlqReplayStatus {
+    with_status.status = Some(DlqReplayStatus::from(ReplayStatus {
         phase: Some(Phase::Done),
         ..Default::default()
-    });
+    }));
     let created = api
         .create(&PostParams::default(), &with_status)
         .await

@@ -18,7 +18,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use dlq_replay::api::{CanaryResult, CanaryStatus, Counts, DlqReplayStatus, Phase};
+use dlq_replay::api::{CanaryResult, CanaryStatus, Counts, DlqReplayStatus, Phase, ReplayStatus};
 use dlq_replay::metrics::Metrics;
 use mlua::LuaSerdeExt;
 use serde_json::{json, Value};
@@ -50,7 +50,7 @@ async fn exported_text() -> String {
     m.publish_latency.observe(0.01);
     m.double_published.inc();
     m.leader.set(1);
-    let status = DlqReplayStatus {
+    let status = DlqReplayStatus::from(ReplayStatus {
         phase: Some(Phase::Draining),
         counts: all,
         canary: vec![CanaryStatus {
@@ -59,7 +59,7 @@ async fn exported_text() -> String {
             ..Default::default()
         }],
         ..Default::default()
-    };
+    });
     m.observe_replay("media", "ep", Some(&status), Some(0.1));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -613,18 +613,21 @@ fn the_argo_cd_health_check_maps_every_phase() {
     let phases = every_phase();
     for phase in &phases {
         let status = DlqReplayStatus {
-            phase: Some(*phase),
-            observed_generation: Some(2),
-            message: Some(format!("Because: {phase} for a reason")),
-            counts: Counts {
-                scanned: 70,
-                replayed: 50,
-                duplicates: 10,
-                quarantined: 5,
-                skipped: 5,
-                failed: 0,
-                returned: 0,
+            replay: ReplayStatus {
+                phase: Some(*phase),
+                message: Some(format!("Because: {phase} for a reason")),
+                counts: Counts {
+                    scanned: 70,
+                    replayed: 50,
+                    duplicates: 10,
+                    quarantined: 5,
+                    skipped: 5,
+                    failed: 0,
+                    returned: 0,
+                },
+                ..Default::default()
             },
+            observed_generation: Some(2),
             ..Default::default()
         };
         let obj = replay(Some(serde_json::to_value(&status).unwrap()));

@@ -57,8 +57,8 @@ async fn a_run_keeps_its_keys_for_the_retention_and_a_dry_run_writes_none() {
     assert_eq!(code, 0, "{stderr}");
     let s = printed.and_then(|r| r.status).expect("the final resource");
     assert_eq!((s.phase, s.counts.replayed), (Some(Phase::Done), 10));
-    let id = s.replay_id.unwrap();
-    let audit = s.audit.unwrap().key;
+    let id = s.replay.replay_id.unwrap();
+    let audit = s.replay.audit.unwrap().key;
     let keys = [
         format!("dlq:replay:tests/{}", w.tag),
         format!("{audit}#dict"),

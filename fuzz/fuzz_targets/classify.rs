@@ -11,9 +11,9 @@
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 
-use dlq_replay::engine::classify::{self, Rules, SkipReason, Verdict};
-use dlq_replay::engine::message::{self, IDEMPOTENCY_KEY, QUARANTINE_REASON, REPLAY_ID};
-use dlq_replay::engine::publish;
+use dlq_replay_engine::classify::{self, Rules, SkipReason, Verdict};
+use dlq_replay_engine::message::{self, IDEMPOTENCY_KEY, QUARANTINE_REASON, REPLAY_ID};
+use dlq_replay_engine::publish;
 use dlq_replay_fuzz::{is_key, Body, Message, Spec, Text};
 use lapin::types::ShortString;
 

@@ -11,9 +11,9 @@ use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
 
-use dlq_replay::api::{PoisonSpec, SelectorSpec, TargetSpec};
-use dlq_replay::engine::classify::{self, Rules, Verdict};
-use dlq_replay::engine::key::{self, KeyError};
+use dlq_replay_engine::spec::{PoisonSpec, SelectorSpec, TargetSpec};
+use dlq_replay_engine::classify::{self, Rules, Verdict};
+use dlq_replay_engine::key::{self, KeyError};
 use dlq_replay_fuzz::{is_key, Body, Key};
 use lapin::BasicProperties;
 

@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 
 use arbitrary::Arbitrary;
-use dlq_replay::api::{
+use dlq_replay_engine::spec::{
     CanarySpec, ConnectionSpec, DlqReplaySpec, IdempotencyMode, IdempotencySpec, KeyField, KeySpec,
     PayloadMatch, PoisonSpec, QuarantineSpec, SelectorSpec, SourceSpec, TargetSpec,
 };

@@ -8,11 +8,12 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use tokio_util::sync::CancellationToken;
 
-use crate::api::{DlqReplay, DlqReplayStatus, Phase};
+use crate::api::{DlqReplay, Phase, ReplayStatus};
 use crate::engine::{self, store, Options, Replay};
 use crate::{manifest, Error};
 
 mod audit;
+mod demo;
 mod plan;
 
 pub use audit::write_audit;
@@ -259,7 +260,7 @@ pub async fn main(cli: Cli) -> ExitCode {
         Command::Plan(a) => plan::plan(a).await,
         Command::Audit(a) => audit::audit(a).await,
         Command::Report(a) => audit::report(a).await,
-        Command::Demo(a) => crate::demo::run(a).await,
+        Command::Demo(a) => demo::run(a).await,
         Command::Crd => crd(),
         Command::Operator(a) => operator(a).await,
     };
@@ -397,7 +398,7 @@ pub fn resolve(resource: &DlqReplay, endpoints: &Endpoints) -> Result<Replay, Er
     Ok(Replay {
         namespace: resource.namespace_or_default(),
         name: resource.name_or_empty(),
-        spec: spec.clone(),
+        spec: spec.0.clone(),
         amqp_url,
         redis_url,
         uid: None,
@@ -430,7 +431,7 @@ async fn run(args: RunArgs) -> Result<ExitCode, Error> {
     // on the same stream would cut into them.
     let bar = !args.no_progress && replay.spec.audit_sink() != crate::api::AuditSink::Log;
     let status = run_with_progress(&replay, &opts, bar).await?;
-    resource.status = Some(status.clone());
+    resource.status = Some(status.clone().into());
     print_resource(&resource, args.output)?;
     Ok(exit_for(&status))
 }
@@ -440,8 +441,8 @@ pub async fn run_with_progress(
     replay: &Replay,
     opts: &Options,
     bar: bool,
-) -> Result<DlqReplayStatus, Error> {
-    let (tx, mut rx) = tokio::sync::watch::channel(DlqReplayStatus::default());
+) -> Result<ReplayStatus, Error> {
+    let (tx, mut rx) = tokio::sync::watch::channel(ReplayStatus::default());
     let cancel = CancellationToken::new();
     let on_signal = cancel.clone();
     tokio::spawn(async move {
@@ -481,7 +482,7 @@ pub async fn run_with_progress(
     result
 }
 
-fn draw_status(pb: &ProgressBar, s: &DlqReplayStatus) {
+fn draw_status(pb: &ProgressBar, s: &ReplayStatus) {
     let c = s.counts;
     pb.set_length(s.source_depth_at_start.unwrap_or(0));
     pb.set_position(c.scanned);
@@ -504,7 +505,7 @@ fn draw_status(pb: &ProgressBar, s: &DlqReplayStatus) {
 /// password.
 pub fn masked(resource: &DlqReplay) -> DlqReplay {
     let mut r = resource.clone();
-    let spec = &mut r.spec;
+    let spec = &mut r.spec.0;
     let connections = [
         Some(&mut spec.broker),
         spec.idempotency.as_mut().and_then(|i| i.redis.as_mut()),
@@ -531,7 +532,7 @@ fn print_resource(resource: &DlqReplay, output: Output) -> Result<(), Error> {
 }
 
 /// 0 for `Done`, 1 otherwise, with the reason on stderr.
-pub fn exit_for(status: &DlqReplayStatus) -> ExitCode {
+pub fn exit_for(status: &ReplayStatus) -> ExitCode {
     if status.phase == Some(Phase::Done) {
         return ExitCode::SUCCESS;
     }

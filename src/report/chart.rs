@@ -208,7 +208,7 @@ pub fn svg(series: &Series, markers: &[Marker]) -> String {
             TOP + ph,
             xx + 3.0,
             TOP + 10.0,
-            super::html::esc(&m.label)
+            esc(&m.label)
         );
     }
     if rates.is_empty() {
@@ -267,4 +267,20 @@ pub fn fmt_secs(v: f64) -> String {
 /// A number without a trailing `.0`.
 pub fn fmt_num(v: f64) -> String {
     num(v)
+}
+
+/// `s` escaped for HTML and SVG text and attribute values.
+pub fn esc(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
 }

@@ -1,26 +1,10 @@
 //! The report as one self-contained HTML page: inline CSS and SVG, no script, no external
-//! resource. Everything that comes from messages or the status is escaped ([`esc`]).
+//! resource. Everything that comes from messages or the status is escaped ([`chart::esc`]).
 
 use std::fmt::Write;
 
-use super::chart::{self, Marker};
+use super::chart::{self, esc, Marker};
 use super::{duration, offset, short_time, show_time, Report};
-
-/// `s` escaped for HTML text and attribute values.
-pub fn esc(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&#39;"),
-            c => out.push(c),
-        }
-    }
-    out
-}
 
 const CSS: &str = r#"
 :root{--fg:#1f2328;--muted:#59636e;--line:#d1d9e0;--bg:#f6f8fa;--ok:#1a7f37;--bad:#cf222e;--warn:#9a6700;--accent:#0969da}

@@ -1,6 +1,6 @@
 //! Reading a replay's audit rows and stored status from Redis, for `dlq-replay report`.
 
-use crate::api::{AuditRef, CanaryStatus, DlqReplay, DlqReplayStatus, IdempotencyMode};
+use crate::api::{AuditRef, CanaryStatus, DlqReplay, IdempotencyMode, ReplayStatus};
 use crate::engine::store::{self, AuditRow, Store};
 use crate::Error;
 
@@ -39,9 +39,9 @@ pub fn names_of_key(key: &str) -> Option<(String, String)> {
 
 /// The replay's status as stored: its final status once it ended Done or CanaryFailed, else
 /// what the state holds (counts, start, canary results; no phase).
-pub fn status_of(state: &store::State, key: &str) -> Result<DlqReplayStatus, Error> {
+pub fn status_of(state: &store::State, key: &str) -> Result<ReplayStatus, Error> {
     if let Some(json) = &state.final_status {
-        let mut status: DlqReplayStatus = serde_json::from_str(json)
+        let mut status: ReplayStatus = serde_json::from_str(json)
             .map_err(|e| Error::Redis(format!("stored final status is unreadable: {e}")))?;
         if status.started_at.is_none() && !state.started_at.is_empty() {
             status.started_at = Some(state.started_at.clone());
@@ -53,7 +53,7 @@ pub fn status_of(state: &store::State, key: &str) -> Result<DlqReplayStatus, Err
             .map_err(|e| Error::Redis(format!("stored canary results: {e}")))?,
         None => Vec::new(),
     };
-    Ok(DlqReplayStatus {
+    Ok(ReplayStatus {
         replay_id: Some(state.replay_id.clone()),
         source_depth_at_start: Some(state.depth_at_start),
         counts: state.counts,
@@ -64,7 +64,7 @@ pub fn status_of(state: &store::State, key: &str) -> Result<DlqReplayStatus, Err
             ..AuditRef::default()
         }),
         started_at: (!state.started_at.is_empty()).then(|| state.started_at.clone()),
-        ..DlqReplayStatus::default()
+        ..ReplayStatus::default()
     })
 }
 
@@ -90,7 +90,7 @@ pub async fn load(
     redis_url: &str,
     mut meta: Meta,
     key: Option<&str>,
-) -> Result<(Meta, DlqReplayStatus, Vec<AuditRow>), Error> {
+) -> Result<(Meta, ReplayStatus, Vec<AuditRow>), Error> {
     let con = store::connect(redis_url).await?;
     let state = Store::peek(con.clone(), &meta.namespace, &meta.name).await?;
     let key = match (key, &state) {
@@ -108,7 +108,7 @@ pub async fn load(
     let status = match &state {
         // The state is that of the key's replay only if the ids agree.
         Some(s) if key.ends_with(&format!("/{}", s.replay_id)) => status_of(s, &key)?,
-        _ => DlqReplayStatus {
+        _ => ReplayStatus {
             replay_id: key.rsplit('/').next().map(str::to_string),
             counts: counts_of(&rows),
             audit: Some(AuditRef {
@@ -119,7 +119,7 @@ pub async fn load(
             message: Some(
                 "no stored state for this audit key (expired, or another run of the replay): only the audit rows are shown".into(),
             ),
-            ..DlqReplayStatus::default()
+            ..ReplayStatus::default()
         },
     };
     if rows.is_empty() && state.is_none() {

@@ -23,7 +23,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use chrono::{DateTime, Utc};
 
-use crate::api::{CanaryResult, Counts, DlqReplayStatus};
+use crate::api::{CanaryResult, Counts, ReplayStatus};
 use crate::engine::store::AuditRow;
 
 /// Message ids listed per reason (the rest is counted: "and K more").
@@ -217,7 +217,7 @@ fn drains(r: CanaryResult) -> bool {
 
 impl Report {
     /// The model of a replay's report from its status and audit rows (oldest first).
-    pub fn build(meta: Meta, status: &DlqReplayStatus, rows: &[AuditRow]) -> Report {
+    pub fn build(meta: Meta, status: &ReplayStatus, rows: &[AuditRow]) -> Report {
         let phase = status.phase;
         let mut r = Report {
             meta,
@@ -309,7 +309,7 @@ fn decision_rank(d: &str) -> u8 {
     }
 }
 
-fn canaries(status: &DlqReplayStatus, rows: &[AuditRow]) -> Vec<CanaryRow> {
+fn canaries(status: &ReplayStatus, rows: &[AuditRow]) -> Vec<CanaryRow> {
     status
         .canary
         .iter()
@@ -331,7 +331,7 @@ fn canaries(status: &DlqReplayStatus, rows: &[AuditRow]) -> Vec<CanaryRow> {
         .collect()
 }
 
-fn signatures(status: &DlqReplayStatus, rows: &[AuditRow]) -> Vec<SignatureRow> {
+fn signatures(status: &ReplayStatus, rows: &[AuditRow]) -> Vec<SignatureRow> {
     let drained = status.canary.iter().filter(|c| drains(c.result)).count();
     // The drained rows (not a canary's), per signature they name ("" for rows written before
     // rows named it: attributable only if a single signature drained).
@@ -389,7 +389,7 @@ fn signatures(status: &DlqReplayStatus, rows: &[AuditRow]) -> Vec<SignatureRow> 
         .collect()
 }
 
-fn timeline(r: &Report, status: &DlqReplayStatus, rows: &[AuditRow]) -> Vec<Event> {
+fn timeline(r: &Report, status: &ReplayStatus, rows: &[AuditRow]) -> Vec<Event> {
     let mut events = Vec::new();
     let ev = |at, what: String, detail: String, kind| Event {
         at,

@@ -5,7 +5,7 @@
 
 use chrono::{DateTime, Duration, Utc};
 
-use crate::api::{AuditRef, CanaryResult, CanaryStatus, Counts, DlqReplayStatus, Phase};
+use crate::api::{AuditRef, CanaryResult, CanaryStatus, Counts, Phase, ReplayStatus};
 use crate::engine::store::AuditRow;
 
 use super::Meta;
@@ -34,7 +34,7 @@ pub fn meta() -> Meta {
 }
 
 /// A finished replay of `n` audited decisions (`n` ≥ 2), 8 held back besides.
-pub fn replay(n: usize) -> (DlqReplayStatus, Vec<AuditRow>) {
+pub fn replay(n: usize) -> (ReplayStatus, Vec<AuditRow>) {
     let t0 = DateTime::parse_from_rfc3339("2025-06-02T09:14:00.000Z")
         .map(|t| t.with_timezone(&Utc))
         .unwrap_or_default();
@@ -83,7 +83,7 @@ pub fn replay(n: usize) -> (DlqReplayStatus, Vec<AuditRow>) {
         counts.replayed + counts.duplicates + counts.quarantined + counts.skipped + counts.failed;
     let selected = counts.replayed + counts.duplicates + counts.failed - 1;
     let last = drain + (n as i64) * 2;
-    let status = DlqReplayStatus {
+    let status = ReplayStatus {
         phase: Some(Phase::Done),
         replay_id: Some("sample".into()),
         source_depth_at_start: Some(counts.scanned),
@@ -119,7 +119,7 @@ pub fn replay(n: usize) -> (DlqReplayStatus, Vec<AuditRow>) {
             "{} replayed, {} held back (KeyError's canary came back)",
             counts.replayed, 8
         )),
-        ..DlqReplayStatus::default()
+        ..ReplayStatus::default()
     };
     (status, rows)
 }

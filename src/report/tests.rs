@@ -13,7 +13,7 @@ fn row(message: &str, decision: &str, reason: &str, canary: bool, time: &str) ->
     }
 }
 
-fn small() -> (DlqReplayStatus, Vec<AuditRow>) {
+fn small() -> (ReplayStatus, Vec<AuditRow>) {
     let rows = vec![
         row("c-1", "replayed", "", true, "2025-01-01T10:00:00.100Z"),
         row("m-1", "replayed", "", false, "2025-01-01T10:00:05.200Z"),
@@ -32,7 +32,7 @@ fn small() -> (DlqReplayStatus, Vec<AuditRow>) {
             "2025-01-01T10:00:06.000Z",
         ),
     ];
-    let status = DlqReplayStatus {
+    let status = ReplayStatus {
         phase: Some(Phase::Done),
         replay_id: Some("r1".into()),
         counts: Counts {
@@ -56,7 +56,7 @@ fn small() -> (DlqReplayStatus, Vec<AuditRow>) {
         started_at: Some("2025-01-01T10:00:00.000Z".into()),
         finished_at: Some("2025-01-01T10:00:06.500Z".into()),
         message: Some("done".into()),
-        ..DlqReplayStatus::default()
+        ..ReplayStatus::default()
     };
     (status, rows)
 }
@@ -239,7 +239,7 @@ fn many_distinct_reasons_are_capped() {
             )
         })
         .collect();
-    let r = Report::build(meta(), &DlqReplayStatus::default(), &rows);
+    let r = Report::build(meta(), &ReplayStatus::default(), &rows);
     assert_eq!(r.reasons.len(), REASONS_LISTED);
     assert_eq!(r.reasons_more, (460, 460));
     assert!(html::render(&r).contains("and 460 more reasons (460 messages)"));

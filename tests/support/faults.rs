@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use dlq_replay::api::{DlqReplayStatus, Phase};
+use dlq_replay::api::{Phase, ReplayStatus};
 use dlq_replay::engine::{self, store, Options, Replay};
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
@@ -149,7 +149,7 @@ pub async fn dead_letter_n(w: &World, n: usize) {
 
 /// The invariants of DESIGN that hold for any finished replay: the counts add up, one audit
 /// row per decided message, every message somewhere.
-pub fn verify(status: &DlqReplayStatus, audit: &[store::AuditRow], problems: &mut Vec<String>) {
+pub fn verify(status: &ReplayStatus, audit: &[store::AuditRow], problems: &mut Vec<String>) {
     let c = status.counts;
     if c.scanned != c.replayed + c.duplicates + c.quarantined + c.skipped + c.failed {
         problems.push(format!("counts do not add up: {c:?}"));
@@ -211,7 +211,7 @@ fn cli(bin: &Path, file: &Path, redis: &str) -> tokio::process::Command {
     cmd
 }
 
-async fn run_cli_to_end(bin: &Path, file: &Path) -> Result<DlqReplayStatus, String> {
+async fn run_cli_to_end(bin: &Path, file: &Path) -> Result<ReplayStatus, String> {
     let out = cli(bin, file, REDIS)
         .output()
         .await
@@ -258,7 +258,7 @@ pub async fn kill_9(
         Ok(s) => s,
         Err(e) => {
             problems.push(e);
-            DlqReplayStatus::default()
+            ReplayStatus::default()
         }
     };
     finish(w, "kill -9 of dlq-replay run", mode, n, killed + 1, &status, problems, |p, problems| {
@@ -288,7 +288,7 @@ async fn finish(
     mode: &'static str,
     n: usize,
     runs: usize,
-    status: &DlqReplayStatus,
+    status: &ReplayStatus,
     mut problems: Vec<String>,
     extra: impl FnOnce(&Places, &mut Vec<String>) -> String,
 ) -> Tally {
@@ -316,7 +316,7 @@ async fn finish_on(
     mode: &'static str,
     n: usize,
     runs: usize,
-    status: &DlqReplayStatus,
+    status: &ReplayStatus,
     problems: &mut Vec<String>,
     extra: impl FnOnce(&Places, &mut Vec<String>) -> String,
 ) -> Tally {
@@ -383,7 +383,7 @@ async fn start_drain(
     n: usize,
     rate: u32,
     redis_url: Option<&str>,
-) -> tokio::task::JoinHandle<Result<DlqReplayStatus, String>> {
+) -> tokio::task::JoinHandle<Result<ReplayStatus, String>> {
     start_watched_drain(w, mode, n, rate, redis_url).await.0
 }
 
@@ -395,8 +395,8 @@ async fn start_watched_drain(
     rate: u32,
     redis_url: Option<&str>,
 ) -> (
-    tokio::task::JoinHandle<Result<DlqReplayStatus, String>>,
-    tokio::sync::watch::Receiver<DlqReplayStatus>,
+    tokio::task::JoinHandle<Result<ReplayStatus, String>>,
+    tokio::sync::watch::Receiver<ReplayStatus>,
 ) {
     dead_letter_n(w, n).await;
     let resource = w.manifest(&format!(
@@ -411,7 +411,7 @@ async fn start_watched_drain(
 pub fn spawn_engine(
     replay: Replay,
     opts: Options,
-) -> tokio::task::JoinHandle<Result<DlqReplayStatus, String>> {
+) -> tokio::task::JoinHandle<Result<ReplayStatus, String>> {
     spawn_watched_engine(replay, opts).0
 }
 
@@ -420,10 +420,10 @@ fn spawn_watched_engine(
     replay: Replay,
     opts: Options,
 ) -> (
-    tokio::task::JoinHandle<Result<DlqReplayStatus, String>>,
-    tokio::sync::watch::Receiver<DlqReplayStatus>,
+    tokio::task::JoinHandle<Result<ReplayStatus, String>>,
+    tokio::sync::watch::Receiver<ReplayStatus>,
 ) {
-    let (tx, rx) = tokio::sync::watch::channel(DlqReplayStatus::default());
+    let (tx, rx) = tokio::sync::watch::channel(ReplayStatus::default());
     let task = tokio::spawn(async move {
         engine::run(&replay, &opts, &tx, &CancellationToken::new())
             .await
@@ -434,7 +434,7 @@ fn spawn_watched_engine(
 
 /// Every distinct status message `rx` shows until its replay ends.
 fn messages_of(
-    mut rx: tokio::sync::watch::Receiver<DlqReplayStatus>,
+    mut rx: tokio::sync::watch::Receiver<ReplayStatus>,
 ) -> tokio::task::JoinHandle<Vec<String>> {
     tokio::spawn(async move {
         let mut seen: Vec<String> = Vec::new();
@@ -449,18 +449,18 @@ fn messages_of(
 }
 
 async fn ended(
-    task: tokio::task::JoinHandle<Result<DlqReplayStatus, String>>,
+    task: tokio::task::JoinHandle<Result<ReplayStatus, String>>,
     problems: &mut Vec<String>,
-) -> DlqReplayStatus {
+) -> ReplayStatus {
     match task.await {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
             problems.push(e);
-            DlqReplayStatus::default()
+            ReplayStatus::default()
         }
         Err(e) => {
             problems.push(format!("engine task: {e}"));
-            DlqReplayStatus::default()
+            ReplayStatus::default()
         }
     }
 }

@@ -20,7 +20,7 @@ use std::process::Command;
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
-use dlq_replay::api::{DlqReplay, DlqReplayStatus};
+use dlq_replay::api::{DlqReplay, ReplayStatus};
 use dlq_replay::cli::{self, Endpoints};
 use dlq_replay::engine::{self, message, store, Options, Replay};
 pub use dlq_replay::fixture::QueueType;
@@ -402,7 +402,7 @@ impl World {
         cli::resolve(resource, &endpoints).expect("resolve")
     }
 
-    pub async fn run(&self, resource: &DlqReplay) -> DlqReplayStatus {
+    pub async fn run(&self, resource: &DlqReplay) -> ReplayStatus {
         run_replay(&self.replay(resource)).await
     }
 
@@ -454,7 +454,7 @@ impl World {
             .unwrap()
     }
 
-    pub async fn audit(&self, status: &DlqReplayStatus) -> Vec<store::AuditRow> {
+    pub async fn audit(&self, status: &ReplayStatus) -> Vec<store::AuditRow> {
         let mut r = self.redis.clone();
         let key = &status.audit.as_ref().expect("audit ref").key;
         store::read_audit(&mut r, key).await.unwrap()
@@ -579,8 +579,8 @@ impl World {
     }
 }
 
-pub async fn run_replay(replay: &Replay) -> DlqReplayStatus {
-    let (tx, _rx) = tokio::sync::watch::channel(DlqReplayStatus::default());
+pub async fn run_replay(replay: &Replay) -> ReplayStatus {
+    let (tx, _rx) = tokio::sync::watch::channel(ReplayStatus::default());
     engine::run(replay, &Options::default(), &tx, &CancellationToken::new())
         .await
         .expect("run")
@@ -711,7 +711,7 @@ pub fn assert_each_key_once(target: &[Seen]) {
     );
 }
 
-pub fn assert_sum(status: &DlqReplayStatus) {
+pub fn assert_sum(status: &ReplayStatus) {
     let c = status.counts;
     assert_eq!(
         c.scanned,

@@ -1,0 +1,496 @@
+//! The drain: every message of the pass decided, published, recorded and acknowledged, as a
+//! pipeline of small steps.
+//!
+//! A step is a handful of deliveries taken through the stages in order: classify, gate (one
+//! Redis round trip: lookups and claims), send (publishes, confirms not awaited), then, once its
+//! confirms are in, keep (kept messages moved to the tail), settle (one Redis commit: audit rows,
+//! settled marks, claims marked published or released, counts) and the acks. Several steps are in
+//! flight at once, so the broker works on the next step's publishes while the previous one's
+//! confirms come back and are recorded. Steps land strictly in order: commits and acks never
+//! overtake, and no message is acked before its outcome is durable. A kept message's copy is
+//! the one outcome a landing does not wait for: its original is acked at a later landing, once
+//! the copy is confirmed ([`Drain::pend`]).
+//!
+//! The window (`Options::window`) bounds the messages between gate and settle: claimed or
+//! published, not yet recorded. It is what a crash (kill -9) can leave unknown: in Claim mode
+//! those keys are quarantined `OutcomeUnknown` by the next run, in Check mode published again.
+//!
+//! By file: `decide` (what each delivery becomes), `gate`, `send`, `settle` (keep, record, ack)
+//! and `end` (how a pass ends); this one runs the steps.
+
+mod decide;
+mod end;
+mod gate;
+mod send;
+mod settle;
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::Duration;
+
+use governor::DefaultDirectRateLimiter;
+use lapin::message::Delivery;
+use lapin::{Connection, PublisherConfirm};
+use tokio_util::sync::CancellationToken;
+
+use super::classify::Destination;
+use super::source::{self, Source};
+use super::store::{self, Store};
+use super::{keep, limiter, proven, publish, watch, Options, Progress, Replay};
+use crate::status::ReplayStatus;
+use crate::Error;
+
+/// What happens to one message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Act {
+    Skip {
+        reason: String,
+        returned: bool,
+    },
+    Quarantine(String),
+    Replay(Destination),
+    Duplicate {
+        reason: String,
+        same_attempt: bool,
+    },
+    AlreadySettled,
+    /// A second copy of a message this pass already met, left by an interrupted move (the
+    /// ledger counts it): dropped, with an audit row.
+    Leftover,
+    Replayed(Destination),
+    Quarantined(String),
+    Failed(String),
+    /// Published, but the connection went away before the broker's confirm: maybe delivered,
+    /// maybe not. Nothing is recorded and nothing acked; the next pass finds its claim (Claim
+    /// mode: quarantined `OutcomeUnknown`) or publishes it again (Check mode).
+    Unknown(String),
+    /// Not published because the replay was stopped while the step waited for the rate
+    /// limiter: nothing recorded, its claim released, left unacked (back in the queue when the
+    /// pass closes its channel), decided by the next run.
+    Unsent,
+}
+
+pub(super) struct Item {
+    delivery: Delivery,
+    /// The move ledger's digest, computed when needed (a kept or a leftover message).
+    digest: Option<String>,
+    /// What audit rows call the message (message id or body hash).
+    identity: String,
+    /// What the settled marks call it: a hash of message id and body.
+    fingerprint: String,
+    /// Its failure signature, for its audit row.
+    signature: String,
+    key: Option<String>,
+    act: Act,
+}
+
+pub(super) enum End {
+    Drained,
+    TooManyReturns(u64, String),
+    Cancelled,
+    Error(Error),
+}
+
+/// A step that was decided but not sent: what it would have published stays in the queue,
+/// decided again by the next pass, and its claims are released when it lands.
+fn unsent(mut items: Vec<Item>) -> Flight {
+    for it in &mut items {
+        if matches!(it.act, Act::Replay(_) | Act::Quarantine(_)) {
+            it.act = Act::Unsent;
+        }
+    }
+    Flight {
+        items,
+        confirms: Vec::new(),
+        sent: std::time::Instant::now(),
+    }
+}
+
+/// A move whose copy is on its way: its original's delivery tag and digest, then what became of
+/// the copy. `Sync`, as the drain is shared by reference across awaits in a spawned task.
+type PendingMove =
+    std::pin::Pin<Box<dyn std::future::Future<Output = (u64, String, keep::Moved)> + Send + Sync>>;
+
+/// A step between its send and its landing: the items, and the confirms of what it published.
+struct Flight {
+    items: Vec<Item>,
+    confirms: Vec<(usize, PublisherConfirm)>,
+    sent: std::time::Instant,
+}
+
+impl Flight {
+    /// Messages of the step that count against the window.
+    fn len(&self) -> usize {
+        self.items.len()
+    }
+}
+
+pub(super) struct Drain<'a> {
+    replay: &'a Replay,
+    replay_id: String,
+    claim_value: String,
+    source: Option<Source>,
+    publisher: publish::Publisher,
+    pub(super) store: Store,
+    /// The same connection, for the next step's lookup while a step's commit is on its way.
+    gate_store: Store,
+    limiter: Option<DefaultDirectRateLimiter>,
+    status: ReplayStatus,
+    bound: u64,
+    seen: u64,
+    selected: u64,
+    /// Messages between gate and settle at most (see the module doc).
+    window: usize,
+    /// Deliveries per step.
+    step: usize,
+    /// Keys whose publish failed, was left unsent (`true`) or may not have gone out, in steps
+    /// landed while later ones were in flight: a later step's "already claimed by this attempt"
+    /// for such a key is no duplicate (see `resolve`). Forgotten when nothing is in flight.
+    failed_keys: HashMap<String, bool>,
+    /// Why the publishing channel closed, for the messages later steps could not send.
+    closed_on: Option<String>,
+    /// A step had publishes left unconfirmed: the pass ends, and what later steps failed stays
+    /// in the queue for the next pass to decide (and count).
+    ending: bool,
+    /// The signatures the canaries proved; the others' messages stay in the queue.
+    pub(super) proven: proven::Proven,
+    /// Messages held back because no canary met their signature, per signature.
+    unproven: std::collections::BTreeMap<String, u64>,
+    /// Messages of this replay that came back (by fingerprint) behind the pass's bound.
+    returns_behind: HashSet<String>,
+    last_return_check: Option<tokio::time::Instant>,
+    /// Moves kept messages to the tail, and the ledger of copies a crash may have doubled.
+    pub(super) keeper: Option<(keep::Mover, keep::Ledger)>,
+    /// The dead-letter routes seen (and known before), for the return watch.
+    pub(super) routes: std::collections::BTreeSet<watch::Route>,
+    /// The return watch, when a route is known.
+    pub(super) returns: Option<watch::Returns>,
+    /// Digests of the messages this pass moved, but for the latest step's: their ledger counts
+    /// come back when the pass has taken its last message (see `finish`).
+    moved: Vec<String>,
+    /// The latest landing's, whose acks nothing after them waits for.
+    last_moved: Vec<String>,
+    /// Moves whose copies are not confirmed yet: the original's delivery tag and digest, and
+    /// what became of the copy (see [`Drain::pend`]).
+    pending: futures::stream::FuturesUnordered<PendingMove>,
+    /// The replay's stop, for the waits inside a step (the rate limiter).
+    pub(super) cancel: CancellationToken,
+}
+
+impl<'a> Drain<'a> {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(
+        replay: &'a Replay,
+        state: &store::State,
+        source: Source,
+        publisher: publish::Publisher,
+        store: Store,
+        status: ReplayStatus,
+        bound: u64,
+        (window, step): (usize, usize),
+    ) -> Self {
+        Self {
+            replay,
+            replay_id: state.replay_id.clone(),
+            claim_value: store::claim_value(&state.replay_id, state.attempt),
+            source: Some(source),
+            publisher,
+            gate_store: store.clone(),
+            store,
+            limiter: limiter(&replay.spec),
+            // A resumed replay's earlier selections count against the limit.
+            selected: state.counts.scanned - state.counts.skipped,
+            status,
+            bound,
+            seen: 0,
+            window,
+            step,
+            failed_keys: HashMap::new(),
+            closed_on: None,
+            ending: false,
+            proven: Default::default(),
+            unproven: Default::default(),
+            returns_behind: Default::default(),
+            last_return_check: None,
+            keeper: None,
+            routes: Default::default(),
+            returns: None,
+            moved: Vec::new(),
+            last_moved: Vec::new(),
+            pending: Default::default(),
+            cancel: CancellationToken::new(),
+        }
+    }
+
+    /// Run the pass: admit steps while the window has room, land the oldest when it is full or
+    /// nothing more is ready, until the bound is met, the replay stops or something fails. What
+    /// is in flight then lands before the pass ends.
+    pub(super) async fn run(
+        &mut self,
+        opts: &Options,
+        progress: &Progress,
+        cancel: &CancellationToken,
+    ) -> End {
+        let mut flights: VecDeque<Flight> = VecDeque::new();
+        let mut stalled = Duration::ZERO;
+        let end = loop {
+            let busy = flights.iter().map(Flight::len).sum();
+            if let Some(more) = self.room(busy, false, cancel) {
+                // Never wait for deliveries while a step's confirms (or a move's) may be ready.
+                let wait = if flights.is_empty() && self.pending.is_empty() {
+                    opts.idle
+                } else {
+                    Duration::ZERO
+                };
+                let Some(src) = self.source.as_mut() else {
+                    break End::Drained;
+                };
+                let deliveries = match src.next_batch(more, wait).await {
+                    Ok(d) => d,
+                    Err(e) => break End::Error(e),
+                };
+                if !deliveries.is_empty() {
+                    stalled = Duration::ZERO;
+                    match self.admit(deliveries).await {
+                        Ok(f) => flights.push_back(f),
+                        Err((f, e)) => {
+                            flights.extend(f);
+                            break End::Error(e);
+                        }
+                    }
+                    continue;
+                }
+                if flights.is_empty() && self.pending.is_empty() {
+                    match self.queue_is_empty().await {
+                        Ok(true) => break End::Drained,
+                        Ok(false) if stalled >= opts.stall => {
+                            break End::Error(Error::Broker(format!(
+                                "the dead-letter queue holds messages but delivered none for {}s (another consumer, or a consumer timeout?)",
+                                opts.stall.as_secs()
+                            )))
+                        }
+                        Ok(false) => stalled += opts.idle,
+                        Err(e) => break End::Error(e),
+                    }
+                    continue;
+                }
+            }
+            let Some(flight) = flights.pop_front() else {
+                // Nothing in flight but moves: their originals' acks come before the pass's
+                // last message (see `room`) and before it ends.
+                if !self.pending.is_empty() {
+                    if let Err(e) = self.ack_moved(true).await {
+                        break End::Error(e);
+                    }
+                    continue;
+                }
+                break if cancel.is_cancelled() {
+                    End::Cancelled
+                } else {
+                    End::Drained
+                };
+            };
+            let items = self.confirmed(flight).await;
+            // The next step, if it may follow once this one has landed, is admitted with it.
+            let busy = flights.iter().map(Flight::len).sum();
+            let next = match self.following(busy, cancel).await {
+                Ok(next) => next,
+                Err(e) => {
+                    if let Err(e) = self.settle(items).await {
+                        tracing::debug!(error = %e, "landing a step after the pass ended");
+                    }
+                    break End::Error(e);
+                }
+            };
+            if next.is_empty() {
+                if let Err(e) = self.settle(items).await {
+                    break End::Error(e);
+                }
+            } else {
+                let (landed, admitted) = self.settle_and_admit(items, next).await;
+                let admitted = match admitted {
+                    Ok(f) => {
+                        flights.push_back(f);
+                        None
+                    }
+                    Err((f, e)) => {
+                        flights.extend(f);
+                        Some(e)
+                    }
+                };
+                if let Some(e) = landed.err().or(admitted) {
+                    break End::Error(e);
+                }
+            }
+            if flights.is_empty() {
+                self.forget_failed();
+            }
+            match self.check_returns(opts).await {
+                Ok(Some(end)) => break end,
+                Ok(None) => {}
+                Err(e) => break End::Error(e),
+            }
+            self.report(progress);
+        };
+        self.land_all(flights).await;
+        end
+    }
+
+    /// How many deliveries the next step may take, or `None` when nothing is to be admitted
+    /// now: the window is full, the pass met its bound, the replay is stopping, or the next
+    /// delivery is the pass's last one (taken alone once everything before it is acked, see
+    /// [`source::get_one`]).
+    fn room(&self, busy: usize, landing: bool, cancel: &CancellationToken) -> Option<usize> {
+        if cancel.is_cancelled() || self.seen >= self.bound || self.source.is_none() {
+            return None;
+        }
+        let in_flight = landing || busy > 0 || !self.pending.is_empty();
+        let free = self.window.saturating_sub(busy);
+        let last = self.source.as_ref().is_some_and(Source::at_last);
+        // While a step is in flight, admit only a whole step, and never the pass's last message.
+        if in_flight && (free < self.step || last) {
+            return None;
+        }
+        Some(
+            self.step
+                .min(free.max(1))
+                .min((self.bound - self.seen) as usize),
+        )
+    }
+
+    /// Classify, gate and send one step (see [`Drain::settle_and_admit`] for what a failure hands
+    /// back).
+    async fn admit(
+        &mut self,
+        deliveries: Vec<Delivery>,
+    ) -> Result<Flight, (Option<Flight>, Error)> {
+        let mut items = self.classify(deliveries);
+        if let Err(e) = self.gate(&mut items).await {
+            return Err((None, e));
+        }
+        match self.send(&mut items).await {
+            Ok(confirms) => Ok(Flight {
+                items,
+                confirms,
+                sent: std::time::Instant::now(),
+            }),
+            Err(e) => Err((Some(unsent(items)), e)),
+        }
+    }
+
+    /// The deliveries of the step that may follow the one landing now (none when the window or
+    /// the last-message rule says wait, or none are ready).
+    async fn following(
+        &mut self,
+        busy: usize,
+        cancel: &CancellationToken,
+    ) -> Result<Vec<Delivery>, Error> {
+        let more = self.room(busy, true, cancel);
+        match (more, self.source.as_mut()) {
+            (Some(more), Some(src)) => src.next_batch(more, Duration::ZERO).await,
+            _ => Ok(Vec::new()),
+        }
+    }
+
+    /// Record the landing step and admit the next together: the step's commit and the next
+    /// step's lookup go to Redis at once, the commit first, so the claims taken never outnumber
+    /// the window. Meanwhile the landing step's kept messages are moved to the tail: their
+    /// confirms are waited for beside the commit and the next step's publishes, so a move adds
+    /// no wait of its own to the drain (one after the other, a held-back message every hundred
+    /// slowed the whole drain by 10-15 %: bench/RESULTS.md, canary section). The landing step
+    /// is acked once both are in. A step that cannot be sent (the commit failed, a publish of
+    /// the landing step went unconfirmed, or the publishing channel could not open) is handed
+    /// back as a flight with nothing sent, for `land_all` to release its claims.
+    async fn settle_and_admit(
+        &mut self,
+        items: Vec<Item>,
+        deliveries: Vec<Delivery>,
+    ) -> (Result<(), Error>, Result<Flight, (Option<Flight>, Error)>) {
+        let record = self.record(&items);
+        let next = self.classify(deliveries);
+        let mut keeper = self.keeper.take();
+        let (moves, (answer, admitted)) = tokio::join!(
+            settle::keep_moves(keeper.as_mut(), &items),
+            self.commit_and_admit(&record, next),
+        );
+        self.keeper = keeper;
+        // A failed move leaves its messages unacked (back in the queue with the channel); the
+        // rest of the step is recorded and acked as usual, and the pass ends.
+        let moved = moves.map(|m| self.pend(&items, m));
+        let landed = self.recorded(record, answer).await.and(moved);
+        (landed, admitted)
+    }
+
+    /// The landing step's commit with the next step's lookups, then the next step's publishes.
+    async fn commit_and_admit(
+        &mut self,
+        record: &settle::Record,
+        mut next: Vec<Item>,
+    ) -> (
+        Result<(u64, u64), Error>,
+        Result<Flight, (Option<Flight>, Error)>,
+    ) {
+        let ask = gate::Ask::of(&next);
+        let claim = gate::claim(self.replay, &self.claim_value);
+        let (answer, lookups) = tokio::join!(
+            record.commit(&mut self.store),
+            ask.lookup(&mut self.gate_store, &next, claim),
+        );
+        let lookups = match lookups {
+            Ok(l) => l,
+            Err(e) => return (answer, Err((None, e))),
+        };
+        self.decide(&mut next, &ask, lookups);
+        // The landing step's record (`self.ending`: an unconfirmed publish) ends the pass.
+        if answer.is_err() || self.ending {
+            return (answer, Ok(unsent(next)));
+        }
+        let admitted = match self.send(&mut next).await {
+            Ok(confirms) => Ok(Flight {
+                items: next,
+                confirms,
+                sent: std::time::Instant::now(),
+            }),
+            Err(e) => Err((Some(unsent(next)), e)),
+        };
+        (answer, admitted)
+    }
+
+    /// Wait for a step's confirms, then keep, record and acknowledge it.
+    async fn land(&mut self, flight: Flight) -> Result<(), Error> {
+        let items = self.confirmed(flight).await;
+        self.settle(items).await
+    }
+
+    /// A step's items once its confirms are in.
+    async fn confirmed(&mut self, flight: Flight) -> Vec<Item> {
+        let Flight {
+            mut items,
+            confirms,
+            sent,
+        } = flight;
+        self.resolve(&mut items, confirms, sent).await;
+        items
+    }
+
+    /// After a failure, land every step still in flight, in order: what was confirmed is
+    /// recorded and acked (its claims marked published), what was not stays in the queue with
+    /// its claim (an unknown outcome) or released (a publish that failed). Their errors are
+    /// those of the failure that ended the pass, already reported.
+    async fn land_all(&mut self, flights: VecDeque<Flight>) {
+        for flight in flights {
+            if let Err(e) = self.land(flight).await {
+                tracing::debug!(error = %e, "landing a step after the pass ended");
+            }
+        }
+        if let Err(e) = self.ack_moved(true).await {
+            tracing::debug!(error = %e, "acking moved messages after the pass ended");
+        }
+        self.forget_failed();
+    }
+
+    /// Whether both of the pass's broker connections are still up (an error on a channel can be
+    /// the echo of a connection that went away).
+    pub(super) fn connected(&self, src_conn: &Connection) -> bool {
+        src_conn.status().connected() && self.publisher.connection().status().connected()
+    }
+}

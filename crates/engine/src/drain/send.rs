@@ -1,0 +1,209 @@
+//! The publish stage: a step's quarantines and replays go out without waiting (`send`); its
+//! confirms are awaited when the step lands (`resolve`), so the next steps publish meanwhile.
+
+use lapin::{BasicProperties, PublisherConfirm};
+
+use super::{Act, Drain, Item};
+use crate::classify::Destination;
+use crate::publish;
+use crate::Error;
+
+impl Drain<'_> {
+    /// Publish the step's quarantines and replays; the confirms are returned, not awaited.
+    /// Without a rate limit the step's publishes go out together (one write, not one wait per
+    /// message); with one, each waits for its token.
+    pub(super) async fn send(
+        &mut self,
+        items: &mut [Item],
+    ) -> Result<Vec<(usize, PublisherConfirm)>, Error> {
+        self.publisher.ensure_open().await?;
+        let mut out = Vec::new();
+        let mut ready = Vec::new();
+        for (i, item) in items.iter_mut().enumerate() {
+            let Some((dest, props)) = self.outgoing(item).await else {
+                continue;
+            };
+            if self.limiter.is_none() {
+                ready.push((i, dest, props));
+                continue;
+            }
+            match self.publisher.send(&dest, props, &item.delivery.data).await {
+                Ok(confirm) => out.push((i, confirm)),
+                // Refused before it left (e.g. the channel is closed): it was not sent.
+                Err(e) => item.act = Act::Failed(format!("NotSent: {e}")),
+            }
+        }
+        // Each publish is queued, in order, when first polled; the futures then wait together
+        // for the connection to write them.
+        let publisher = &self.publisher;
+        let idx: Vec<usize> = ready.iter().map(|(i, _, _)| *i).collect();
+        let sends = ready.into_iter().map(|(i, dest, props)| {
+            let body = &items[i].delivery.data;
+            async move { publisher.send(&dest, props, body).await }
+        });
+        let results = futures::future::join_all(sends).await;
+        for (i, res) in idx.into_iter().zip(results) {
+            match res {
+                Ok(confirm) => out.push((i, confirm)),
+                Err(e) => items[i].act = Act::Failed(format!("NotSent: {e}")),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Where an item goes and as what, or `None` when it is not published (or cannot be: its
+    /// act then says why).
+    async fn outgoing(&mut self, item: &mut Item) -> Option<(Destination, BasicProperties)> {
+        let props = &item.delivery.properties;
+        match &item.act {
+            Act::Quarantine(reason) => {
+                let user = self.publisher.user();
+                let quarantine = Destination {
+                    exchange: String::new(),
+                    routing_key: self.replay.spec.quarantine.queue.clone(),
+                };
+                let p = publish::quarantine_properties(props, &self.replay_id, reason, user);
+                Some((quarantine, p))
+            }
+            Act::Replay(dest) => {
+                let dest = dest.clone();
+                match self.publisher.exchange_exists(&dest.exchange).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        item.act = Act::Failed(format!(
+                            "NoExchange: exchange {:?} does not exist",
+                            dest.exchange
+                        ));
+                        return None;
+                    }
+                    // Not sent: earlier publishes of the step still land with their confirms.
+                    Err(e) => {
+                        item.act = Act::Failed(format!("NotSent: {e}"));
+                        return None;
+                    }
+                }
+                if let Some(l) = &self.limiter {
+                    // At a low rate a step waits for its tokens: a stop ends the wait, and what
+                    // the step has not sent yet stays for the next run.
+                    let stopped = tokio::select! {
+                        biased;
+                        _ = self.cancel.cancelled() => true,
+                        _ = l.until_ready() => false,
+                    };
+                    if stopped {
+                        item.act = Act::Unsent;
+                        return None;
+                    }
+                }
+                let user = self.publisher.user();
+                let p =
+                    publish::replay_properties(props, &self.replay_id, item.key.as_deref(), user);
+                Some((dest, p))
+            }
+            _ => None,
+        }
+    }
+
+    /// Wait for the step's confirms and turn each publish into its outcome.
+    pub(super) async fn resolve(
+        &mut self,
+        items: &mut [Item],
+        confirms: Vec<(usize, PublisherConfirm)>,
+        sent: std::time::Instant,
+    ) {
+        let (idx, confirms): (Vec<usize>, Vec<_>) = confirms.into_iter().unzip();
+        let observer = crate::observe::observer();
+        let timed = confirms.into_iter().map(|c| async move {
+            let res = c.await;
+            observer.confirmed(sent.elapsed());
+            res
+        });
+        let results = futures::future::join_all(timed).await;
+        // A confirm that never came (the channel or the connection closed first) leaves the
+        // outcome unknown, even when the broker closed the channel because of a later publish
+        // (e.g. to an exchange deleted mid-drain): an earlier one may have been routed and
+        // persisted with its confirm still on the way.
+        for (i, res) in idx.into_iter().zip(results) {
+            let item = &mut items[i];
+            let unconfirmed = res.is_err();
+            item.act = match (publish::outcome(res), &item.act) {
+                (Ok(()), Act::Replay(d)) => Act::Replayed(d.clone()),
+                (Ok(()), Act::Quarantine(r)) => Act::Quarantined(r.clone()),
+                (Err(why), _) if unconfirmed => Act::Unknown(why),
+                (Err(why), _) => Act::Failed(why),
+                (Ok(()), other) => other.clone(),
+            };
+        }
+        self.explain_not_sent(items);
+        self.orphans(items);
+    }
+
+    /// A publish to a deleted exchange closes the channel: what this step and the steps after
+    /// it could not send was refused for the same reason, and says so.
+    fn explain_not_sent(&mut self, items: &mut [Item]) {
+        let closed_on = items.iter().find_map(|it| match &it.act {
+            Act::Unknown(r) if r.starts_with("NoExchange") => Some(r.clone()),
+            _ => None,
+        });
+        if closed_on.is_some() {
+            self.closed_on = closed_on;
+        }
+        let Some(cause) = &self.closed_on else {
+            return;
+        };
+        for it in items.iter_mut() {
+            if matches!(&it.act, Act::Failed(r) if r.starts_with("NotSent")) {
+                it.act = Act::Failed(format!("{cause}; not sent after it"));
+            }
+        }
+    }
+
+    /// A message whose key was claimed earlier in this pass (this step or one before it still in
+    /// flight) by one that failed is not a duplicate after all: its work never went out (or may
+    /// not have). It stays in the queue; the twin of a message left unsent stays unsent too, so
+    /// the next run decides both.
+    fn orphans(&mut self, items: &mut [Item]) {
+        for it in items.iter() {
+            let Some(k) = it.key.as_deref() else {
+                continue;
+            };
+            match it.act {
+                Act::Unsent => {
+                    self.failed_keys.insert(k.to_string(), true);
+                }
+                Act::Failed(_) | Act::Unknown(_) => {
+                    self.failed_keys.entry(k.to_string()).or_insert(false);
+                }
+                // Claimed again (and published) by this step once the earlier claim was
+                // released: its twins here are duplicates of this one.
+                Act::Replayed(_) => {
+                    self.failed_keys.remove(k);
+                }
+                _ => {}
+            }
+        }
+        if self.failed_keys.is_empty() {
+            return;
+        }
+        for it in items.iter_mut() {
+            let same_attempt = matches!(
+                it.act,
+                Act::Duplicate {
+                    same_attempt: true,
+                    ..
+                }
+            );
+            let twin_unsent = match it.key.as_deref() {
+                Some(k) if same_attempt => self.failed_keys.get(k).copied(),
+                _ => None,
+            };
+            it.act = match twin_unsent {
+                Some(true) => Act::Unsent,
+                Some(false) => {
+                    Act::Failed("same key as a message of this pass whose publish failed".into())
+                }
+                None => continue,
+            };
+        }
+    }
+}

@@ -1,0 +1,116 @@
+//! What can go wrong outside a single message's decision, and which of it is worth a reconnect.
+
+/// What can go wrong outside a single message's decision.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The manifest is invalid.
+    #[error("{0}")]
+    Manifest(String),
+    /// A file could not be read or written.
+    #[error("{0}")]
+    Io(String),
+    /// Missing configuration, e.g. no broker URL.
+    #[error("{0}")]
+    Config(String),
+    /// The source queue does not exist.
+    #[error("source queue {0:?} does not exist (spec.source.queue); nothing was touched")]
+    SourceMissing(String),
+    /// The broker failed.
+    #[error("broker: {0}")]
+    Broker(String),
+    /// Redis failed.
+    #[error("redis: {0}")]
+    Redis(String),
+    /// A connection to the broker or to Redis was lost (or could not be made again): worth
+    /// reconnecting, unlike the errors above.
+    #[error("{0}")]
+    Connection(String),
+}
+
+impl Error {
+    /// Whether reconnecting may help: the connection went away, the request itself was fine.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, Error::Connection(_))
+    }
+}
+
+/// Whether a broker error means the connection is gone (refused, reset, closed by the broker
+/// with a hard error such as CONNECTION_FORCED), rather than a request refused on a live one.
+pub fn broker_connection_lost(e: &lapin::Error) -> bool {
+    use lapin::ErrorKind;
+    match e.kind() {
+        ErrorKind::IOError(_)
+        | ErrorKind::InvalidConnectionState(_)
+        | ErrorKind::MissingHeartbeatError => true,
+        // A hard error (e.g. CONNECTION_FORCED from `rabbitmqctl close_connection` or a
+        // broker shutdown) closes the whole connection.
+        ErrorKind::ProtocolError(amqp) => {
+            matches!(amqp.kind(), lapin::protocol::AMQPErrorKind::Hard(_))
+        }
+        _ => false,
+    }
+}
+
+/// Whether a Redis error means the connection is gone (or Redis stopped answering).
+pub fn redis_connection_lost(e: &redis::RedisError) -> bool {
+    e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() || e.is_timeout()
+}
+
+impl From<lapin::Error> for Error {
+    fn from(e: lapin::Error) -> Self {
+        if broker_connection_lost(&e) {
+            Error::Connection(format!("broker connection lost: {e}"))
+        } else {
+            Error::Broker(e.to_string())
+        }
+    }
+}
+
+impl From<redis::ParsingError> for Error {
+    fn from(e: redis::ParsingError) -> Self {
+        Error::Redis(e.to_string())
+    }
+}
+
+impl From<redis::RedisError> for Error {
+    fn from(e: redis::RedisError) -> Self {
+        if redis_connection_lost(&e) {
+            Error::Connection(format!("redis connection lost: {e}"))
+        } else {
+            Error::Redis(e.to_string())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Error;
+    use lapin::protocol::{AMQPError, AMQPErrorKind, AMQPHardError, AMQPSoftError};
+    use lapin::ErrorKind;
+
+    fn amqp(kind: AMQPErrorKind) -> lapin::Error {
+        ErrorKind::ProtocolError(AMQPError::new(kind, "x".into())).into()
+    }
+
+    #[test]
+    fn a_lost_connection_is_transient_and_a_refusal_is_not() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
+        assert!(Error::from(lapin::Error::from(io)).is_transient());
+        let forced = amqp(AMQPErrorKind::Hard(AMQPHardError::CONNECTIONFORCED));
+        assert!(Error::from(forced).is_transient());
+        let not_found = amqp(AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND));
+        assert!(!Error::from(not_found).is_transient());
+        let refused = amqp(AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED));
+        assert!(!Error::from(refused).is_transient());
+    }
+
+    #[test]
+    fn a_dropped_or_silent_redis_is_transient_and_a_bad_command_is_not() {
+        let io = std::io::Error::new(std::io::ErrorKind::BrokenPipe, "gone");
+        assert!(Error::from(redis::RedisError::from(io)).is_transient());
+        let timeout = std::io::Error::new(std::io::ErrorKind::TimedOut, "slow");
+        assert!(Error::from(redis::RedisError::from(timeout)).is_transient());
+        let wrong = redis::RedisError::from((redis::ErrorKind::Client, "bad command"));
+        assert!(!Error::from(wrong).is_transient());
+    }
+}

@@ -1,0 +1,309 @@
+//! A batch's outcome, written once: the audit rows, the settled marks, the ends of its claims
+//! and the count deltas, in one script call that a retry after a lost answer cannot apply twice.
+
+use super::audit;
+use super::{confirmed_claim, AuditRow, Retries, Store};
+use crate::spec::AuditSink;
+use crate::status::Counts;
+use crate::Error;
+
+/// A batch's outcome, applied once. KEYS: the audit stream, the settled hash, the state hash,
+/// the audit dictionary, then the claims the batch ends. ARGV: the commit id; the dictionary's
+/// new fields (count first, field and value each); the audit field names (count first: none when
+/// the rows went to the log); the rows (count first, one value per field each); the settled marks
+/// and then the `key:` marks (each count first, field and value each); the ended claims (count
+/// first, then per claim its value and the value it takes once published, or "" to release it);
+/// the count deltas (count first, field and increment each). Ended claims are compare-and-set or
+/// compare-and-delete, so a batch ends only its own claims. `key:` marks are HSETNX, and those
+/// that existed already are counted. The commit id kept in the state hash makes a retry of a
+/// commit that did go through (its answer was lost) change nothing. Returns the audit rows so
+/// far: the stream's length, or (rows in the log) the state's `records` count.
+const COMMIT: &str = r#"
+local audit, settled, state, dict = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local function records()
+  if redis.call('EXISTS', audit) == 1 then return redis.call('XLEN', audit) end
+  return tonumber(redis.call('HGET', state, 'records') or '0')
+end
+if redis.call('HGET', state, 'commit') == ARGV[1] then
+  return {records(), 0, 0}
+end
+local i = 2
+local function take()
+  local v = ARGV[i]
+  i = i + 1
+  return v
+end
+for _ = 1, tonumber(take()) do
+  redis.call('HSET', dict, take(), take())
+end
+local nfields = tonumber(take())
+local names = {}
+for f = 1, nfields do names[f] = take() end
+local nrows = tonumber(take())
+if nfields == 0 then
+  redis.call('HINCRBY', state, 'records', nrows)
+end
+for _ = 1, nfields > 0 and nrows or 0 do
+  local xadd = {'XADD', audit, '*'}
+  for f = 1, nfields do
+    xadd[#xadd + 1] = names[f]
+    xadd[#xadd + 1] = take()
+  end
+  redis.call(unpack(xadd))
+end
+for _ = 1, tonumber(take()) do
+  redis.call('HSET', settled, take(), take())
+end
+local again = 0
+for _ = 1, tonumber(take()) do
+  again = again + (1 - redis.call('HSETNX', settled, take(), take()))
+end
+for k = 1, tonumber(take()) do
+  local key, value, confirmed = KEYS[4 + k], take(), take()
+  if redis.call('GET', key) == value then
+    if confirmed == '' then
+      redis.call('DEL', key)
+    else
+      redis.call('SET', key, confirmed, 'KEEPTTL')
+    end
+  end
+end
+for _ = 1, tonumber(take()) do
+  redis.call('HINCRBY', state, take(), take())
+end
+redis.call('HSET', state, 'commit', ARGV[1])
+return {records(), again, 1}
+"#;
+
+fn commit_script() -> &'static redis::Script {
+    static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
+    SCRIPT.get_or_init(|| redis::Script::new(COMMIT))
+}
+
+/// The audit stream's length and the `key:` marks that existed, from the script's answer
+/// (those two, and whether this call applied the commit).
+fn commit_answer((len, again, applied): (u64, u64, u64)) -> (u64, u64) {
+    if applied == 0 {
+        tracing::info!(
+            "a batch's outcome was already recorded by the commit whose answer was lost"
+        );
+    }
+    (len, again)
+}
+
+/// How a claim of this replay ends with the batch that took it: marked as published (its publish
+/// is confirmed), or released (nothing went out). Both only if the key still holds `value`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimEnd {
+    /// The idempotency key.
+    pub key: String,
+    /// The claim value this replay set (`<replay id>/<attempt>`).
+    pub value: String,
+    /// Whether the publish under this claim was confirmed.
+    pub published: bool,
+}
+
+impl Store {
+    /// Write a batch's outcome atomically: the audit rows, the settled marks, the released
+    /// claims and the count deltas. Returns the audit stream's length afterwards, and how many
+    /// `key:` marks already existed (keys this replay had replayed before: in Claim mode, a key
+    /// published twice, which must never happen).
+    ///
+    /// A commit whose answer was lost (Redis timed out or went away) is tried again for as long
+    /// as [`Store::retry_for`] allows, holding the batch's messages: their publishes are
+    /// confirmed, and giving up here would leave them unknown. The commit carries an id that the
+    /// script records with it, so a retry of a commit that did go through writes nothing twice.
+    pub async fn commit(
+        &mut self,
+        rows: &[AuditRow],
+        settled: &[(String, String)],
+        release: &[ClaimEnd],
+        delta: &Counts,
+    ) -> Result<(u64, u64), Error> {
+        if self.sink == AuditSink::Log && !rows.is_empty() {
+            // Written before the commit, as a stream entry would be: the messages are acked
+            // only after both. A commit retried after a lost answer does not write them again.
+            audit::log_rows(rows, &self.names.0, &self.names.1)?;
+        }
+        let (invocation, defined) = self.commit_invocation(rows, settled, release, delta);
+        let mut retries = Retries::new(self.retry_for, self.stop.clone());
+        loop {
+            let e = match invocation.invoke_async(&mut self.con).await {
+                Ok(answer) => {
+                    self.encoder.stored(defined);
+                    return Ok(commit_answer(answer));
+                }
+                Err(e) => Error::from(e),
+            };
+            let Some(delay) = retries.next(&e) else {
+                return Err(e);
+            };
+            self.wait_to_retry("redis_commit", &e, delay).await;
+        }
+    }
+
+    /// The script call of a commit, and how much of the audit dictionary it stores.
+    fn commit_invocation(
+        &self,
+        rows: &[AuditRow],
+        settled: &[(String, String)],
+        release: &[ClaimEnd],
+        delta: &Counts,
+    ) -> (redis::ScriptInvocation<'static>, usize) {
+        let (keys, marks): (Vec<_>, Vec<_>) =
+            settled.iter().partition(|(f, _)| f.starts_with("key:"));
+        let mut inv = commit_script().prepare_invoke();
+        inv.key(&self.keys.audit)
+            .key(&self.keys.settled)
+            .key(&self.keys.state)
+            .key(&self.keys.dict);
+        inv.arg(uuid::Uuid::new_v4().simple().to_string());
+        let mut values = Vec::with_capacity(rows.len() * audit::FIELDS.len());
+        let defined = match self.sink {
+            AuditSink::Redis => {
+                let defs = self.encoder.encode(rows, &mut values);
+                let fields = audit::definition_fields(&defs);
+                inv.arg(fields.len() / 2).arg(fields);
+                inv.arg(audit::FIELDS.len()).arg(audit::FIELDS.as_slice());
+                defs.from + defs.values.len()
+            }
+            AuditSink::Log => {
+                inv.arg(0).arg(0);
+                0
+            }
+        };
+        inv.arg(rows.len()).arg(values);
+        for pairs in [&marks, &keys] {
+            inv.arg(pairs.len());
+            for (f, v) in pairs.iter() {
+                inv.arg(f).arg(v);
+            }
+        }
+        inv.arg(release.len());
+        for c in release {
+            let confirmed = if c.published {
+                confirmed_claim(&c.value)
+            } else {
+                String::new()
+            };
+            inv.key(&c.key).arg(&c.value).arg(confirmed);
+        }
+        let counts: Vec<_> = delta
+            .by_field()
+            .into_iter()
+            .filter(|(_, n)| *n > 0)
+            .collect();
+        inv.arg(counts.len());
+        for (name, n) in counts {
+            inv.arg(count_field(name)).arg(n);
+        }
+        (inv, defined)
+    }
+}
+
+/// A count's field in the state hash.
+pub(super) fn count_field(name: &str) -> String {
+    format!("c:{name}")
+}
+
+#[cfg(test)]
+mod tests {
+    //! Against the real Redis (REDIS_URL, else the local one), under keys of their own.
+    use super::*;
+    use crate::store::testing::*;
+    use std::collections::HashMap;
+
+    #[tokio::test]
+    async fn a_commit_marks_published_claims_and_releases_failed_ones_of_its_own_only() {
+        let mut s = store("claims").await;
+        let mut con = s.redis();
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let mine = format!("{id}/1");
+        let key = |n: &str| format!("test:claims:{id}:{n}");
+        for (k, v) in [
+            ("ok", mine.as_str()),
+            ("bad", mine.as_str()),
+            ("theirs", "x"),
+        ] {
+            redis::cmd("SET")
+                .arg(key(k))
+                .arg(v)
+                .arg("EX")
+                .arg(60)
+                .query_async::<()>(&mut con)
+                .await
+                .unwrap();
+        }
+        let end = |n: &str, published| ClaimEnd {
+            key: key(n),
+            value: mine.clone(),
+            published,
+        };
+        s.commit(
+            &[],
+            &[],
+            &[end("ok", true), end("bad", false), end("theirs", false)],
+            &Counts::default(),
+        )
+        .await
+        .unwrap();
+        let reader = con.clone();
+        let get = |k: String| {
+            let mut con = reader.clone();
+            async move {
+                let v: Option<String> = redis::cmd("GET")
+                    .arg(k)
+                    .query_async(&mut con)
+                    .await
+                    .unwrap();
+                v
+            }
+        };
+        assert_eq!(get(key("ok")).await, Some(confirmed_claim(&mine)));
+        let ttl: i64 = redis::cmd("TTL")
+            .arg(key("ok"))
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        assert!(ttl > 0, "the claim keeps its expiry: {ttl}");
+        assert_eq!(get(key("bad")).await, None);
+        assert_eq!(get(key("theirs")).await, Some("x".into()));
+        let _: () = redis::cmd("DEL")
+            .arg(key("ok"))
+            .arg(key("theirs"))
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        cleanup(&mut s, &[]).await;
+    }
+
+    #[tokio::test]
+    async fn a_commit_sent_again_after_a_lost_answer_writes_nothing_twice() {
+        let mut s = store("commit-once").await;
+        let settled = [("fp1".to_string(), "replayed".to_string())];
+        let delta = Counts {
+            scanned: 2,
+            replayed: 2,
+            ..Default::default()
+        };
+        let (inv, _) = s.commit_invocation(&[row("a"), row("b")], &settled, &[], &delta);
+        let first: Vec<u64> = inv.invoke_async(&mut s.con).await.expect("first");
+        // The same invocation again, as a retry after a timed-out answer sends it.
+        let again: Vec<u64> = inv.invoke_async(&mut s.con).await.expect("again");
+        assert_eq!(first, vec![2, 0, 1]);
+        assert_eq!(again, vec![2, 0, 0], "the retry must apply nothing");
+        let state: HashMap<String, String> = redis::cmd("HGETALL")
+            .arg(&s.keys().state)
+            .query_async(&mut s.con)
+            .await
+            .expect("state");
+        assert_eq!(state.get("c:replayed").map(String::as_str), Some("2"));
+        // A new commit (a new id) is applied.
+        let (len, _) = s
+            .commit(&[row("c")], &[], &[], &Counts::default())
+            .await
+            .expect("next");
+        assert_eq!(len, 3);
+        cleanup(&mut s, &[]).await;
+    }
+}

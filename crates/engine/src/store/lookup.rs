@@ -1,0 +1,175 @@
+//! The gate's one round trip per batch: the settled marks of its messages and the values (or
+//! claims) of their idempotency keys.
+
+use redis::Value;
+
+use super::{Retries, Store};
+use crate::Error;
+
+/// What the store knows about one key (or message) of a batch.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Lookup {
+    /// The decision this replay recorded for this very message (by fingerprint).
+    pub settled: Option<String>,
+    /// The identity of the message this replay replayed under this key, if any.
+    pub key_replayed: Option<String>,
+    /// The key's value (Check mode), or the holder of the claim when the claim was refused.
+    pub value: Option<String>,
+    /// Claim mode: this call claimed the key.
+    pub claimed: bool,
+}
+
+/// Compare-and-delete a claim (KEYS[1]) of ours (ARGV[1]) unless its key was published by this
+/// replay (a `key:` mark in the settled hash, KEYS[2]).
+const HAND_BACK: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] and redis.call('HEXISTS', KEYS[2], 'key:' .. KEYS[1]) == 0 then return redis.call('DEL', KEYS[1]) else return 0 end";
+
+impl Store {
+    /// Ask about a batch in one round trip. `fields` are, per message, its fingerprint and its
+    /// `key:` field in the settled hash; `keys` the idempotency keys to check (or claim, when
+    /// `claim` holds the claim value and its expiry).
+    ///
+    /// A lookup whose answer was lost is asked again, within the commit retry budget: nothing of
+    /// the batch is published yet. Claims the lost lookup may have taken are handed back first
+    /// (those of this claim value whose key has no `key:` mark, i.e. not published by this
+    /// attempt), so the second answer tells this batch's claims apart from earlier ones.
+    pub async fn lookup(
+        &mut self,
+        fields: &[(&str, Option<&str>)],
+        keys: &[Option<&str>],
+        claim: Option<(&str, u64)>,
+    ) -> Result<Vec<Lookup>, Error> {
+        let mut retries = Retries::new(self.retry_for, self.stop.clone());
+        let mut lost = false;
+        loop {
+            let attempt = async {
+                if let (true, Some((mine, _))) = (lost, claim) {
+                    self.hand_back(keys, mine).await?;
+                }
+                self.lookup_once(fields, keys, claim).await
+            };
+            let e = match attempt.await {
+                Ok(answer) => return Ok(answer),
+                Err(e) => e,
+            };
+            let Some(delay) = retries.next(&e) else {
+                return Err(e);
+            };
+            lost = true;
+            self.wait_to_retry("redis_lookup", &e, delay).await;
+        }
+    }
+
+    /// Delete the claims of `mine` on `keys` that this attempt did not publish.
+    async fn hand_back(&mut self, keys: &[Option<&str>], mine: &str) -> Result<(), Error> {
+        let mut p = redis::pipe();
+        for key in keys.iter().flatten() {
+            p.cmd("EVAL")
+                .arg(HAND_BACK)
+                .arg(2)
+                .arg(key)
+                .arg(&self.keys.settled)
+                .arg(mine)
+                .ignore();
+        }
+        p.query_async::<()>(&mut self.con).await?;
+        Ok(())
+    }
+
+    async fn lookup_once(
+        &mut self,
+        fields: &[(&str, Option<&str>)],
+        keys: &[Option<&str>],
+        claim: Option<(&str, u64)>,
+    ) -> Result<Vec<Lookup>, Error> {
+        if fields.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut p = redis::pipe();
+        let hm = p.cmd("HMGET").arg(&self.keys.settled);
+        for (fp, key_field) in fields {
+            // A message without key asks for its fingerprint twice; the answer is ignored.
+            hm.arg(*fp).arg(key_field.unwrap_or(fp));
+        }
+        for key in keys.iter().flatten() {
+            match claim {
+                Some((value, ttl)) => {
+                    p.cmd("SET")
+                        .arg(key)
+                        .arg(value)
+                        .arg("NX")
+                        .arg("EX")
+                        .arg(ttl);
+                    p.cmd("GET").arg(key);
+                }
+                None => {
+                    p.cmd("GET").arg(key);
+                }
+            }
+        }
+        let values: Vec<Value> = p.query_async(&mut self.con).await?;
+        let mut it = values.into_iter();
+        let settled: Vec<Option<String>> =
+            redis::from_redis_value(it.next().unwrap_or(Value::Nil))?;
+        let mut out = Vec::with_capacity(fields.len());
+        for (i, key) in keys.iter().enumerate() {
+            let mut l = Lookup {
+                settled: settled.get(2 * i).cloned().flatten(),
+                key_replayed: fields[i].1.and(settled.get(2 * i + 1).cloned().flatten()),
+                ..Default::default()
+            };
+            if key.is_some() {
+                if claim.is_some() {
+                    l.claimed =
+                        matches!(it.next(), Some(Value::Okay) | Some(Value::SimpleString(_)));
+                }
+                l.value = redis::from_redis_value(it.next().unwrap_or(Value::Nil))?;
+            }
+            out.push(l);
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Against the real Redis (REDIS_URL, else the local one), under keys of their own.
+    use crate::store::testing::*;
+
+    #[tokio::test]
+    async fn hand_back_frees_only_our_unpublished_claims() {
+        let mut s = store("hand-back").await;
+        let tag = uuid::Uuid::new_v4().simple().to_string();
+        let [ours, published, theirs] =
+            ["ours", "published", "theirs"].map(|k| format!("unit-idem:{tag}:{k}"));
+        let mine = "replay/7";
+        let mut p = redis::pipe();
+        p.cmd("SET").arg(&ours).arg(mine).ignore();
+        p.cmd("SET").arg(&published).arg(mine).ignore();
+        p.cmd("SET").arg(&theirs).arg("other/1").ignore();
+        p.cmd("HSET")
+            .arg(&s.keys().settled)
+            .arg(format!("key:{published}"))
+            .arg("m")
+            .ignore();
+        p.query_async::<()>(&mut s.con).await.expect("setup");
+        let keys = [
+            Some(ours.as_str()),
+            Some(published.as_str()),
+            Some(theirs.as_str()),
+            None,
+        ];
+        s.hand_back(&keys, mine).await.expect("hand back");
+        let left: Vec<Option<String>> = redis::cmd("MGET")
+            .arg(&ours)
+            .arg(&published)
+            .arg(&theirs)
+            .query_async(&mut s.con)
+            .await
+            .expect("mget");
+        assert_eq!(
+            left,
+            vec![None, Some(mine.to_string()), Some("other/1".to_string())]
+        );
+        cleanup(&mut s, &[&ours, &published, &theirs]).await;
+    }
+}

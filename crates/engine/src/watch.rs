@@ -1,0 +1,200 @@
+//! Watching for this replay's messages coming back, at a cost that does not grow with the DLQ.
+//!
+//! A replayed message that dies again is dead-lettered by its work queue into the dead-letter
+//! exchange, which routes it to the DLQ. An exclusive queue of our own, bound to that exchange
+//! with the same routing keys, receives a copy of every new dead letter and nothing else: the
+//! watch reads (and acks) those copies, and never touches the DLQ itself.
+//!
+//! The exchange and routing keys are those the broker reports on each delivery from the DLQ
+//! (a dead letter's delivery names the exchange it was dead-lettered through). Every traversal
+//! of a queue remembers them per queue in Redis, because a message moved to the tail (see
+//! [`crate::keep`]) arrives through the default exchange afterwards and tells nothing.
+//! A queue fed through the default exchange (`x-dead-letter-exchange: ""`) has no route to bind
+//! to: then the canary falls back to an infrequent traversal that moves, never hands back.
+
+use std::collections::BTreeSet;
+
+use lapin::message::Delivery;
+use lapin::options::{BasicGetOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection};
+use redis::aio::ConnectionManager;
+use serde::{Deserialize, Serialize};
+
+use crate::message::{self, REPLAY_ID};
+use crate::Error;
+
+/// How dead letters reach a queue: the exchange and routing key of their delivery.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Route {
+    /// The dead-letter exchange.
+    pub exchange: String,
+    /// The routing key it routed them with.
+    pub routing_key: String,
+}
+
+/// Add the route `d` arrived by to `routes`, unless it came through the default exchange
+/// (published straight to the queue: a moved copy, or a DLX of `""`). Called for every message
+/// of a pass: a route already known (the set holds a handful) costs no allocation.
+pub fn note_route(routes: &mut BTreeSet<Route>, d: &Delivery) {
+    let (exchange, key) = (d.exchange.as_str(), d.routing_key.as_str());
+    if exchange.is_empty()
+        || routes
+            .iter()
+            .any(|r| r.exchange == exchange && r.routing_key == key)
+    {
+        return;
+    }
+    routes.insert(Route {
+        exchange: exchange.into(),
+        routing_key: key.into(),
+    });
+}
+
+/// How long the routes of a queue are remembered after its last traversal.
+const ROUTES_TTL_SECONDS: u64 = 30 * 24 * 3600;
+
+fn routes_key(amqp_url: &str, queue: &str) -> String {
+    crate::keep::ledger_key(amqp_url, queue).replacen("dlq:moves:", "dlq:routes:", 1)
+}
+
+/// Remember the routes seen on `queue`.
+pub async fn learn(
+    con: &mut ConnectionManager,
+    amqp_url: &str,
+    queue: &str,
+    routes: &BTreeSet<Route>,
+) -> Result<(), Error> {
+    if routes.is_empty() {
+        return Ok(());
+    }
+    let members: Vec<String> = routes
+        .iter()
+        .filter_map(|r| serde_json::to_string(r).ok())
+        .collect();
+    let key = routes_key(amqp_url, queue);
+    // Refreshed by every traversal; a queue nobody replays for a month is forgotten.
+    redis::pipe()
+        .cmd("SADD")
+        .arg(&key)
+        .arg(members)
+        .ignore()
+        .cmd("EXPIRE")
+        .arg(&key)
+        .arg(ROUTES_TTL_SECONDS)
+        .ignore()
+        .query_async::<()>(con)
+        .await?;
+    Ok(())
+}
+
+/// The routes known for `queue`.
+pub async fn known(
+    con: &mut ConnectionManager,
+    amqp_url: &str,
+    queue: &str,
+) -> Result<BTreeSet<Route>, Error> {
+    let members: Vec<String> = redis::cmd("SMEMBERS")
+        .arg(routes_key(amqp_url, queue))
+        .query_async(con)
+        .await?;
+    Ok(members
+        .iter()
+        .filter_map(|m| serde_json::from_str(m).ok())
+        .collect())
+}
+
+/// A message this replay published that came back with a fresh death.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Returned {
+    /// Its identity (message id or body hash).
+    pub identity: String,
+    /// Its fingerprint (message id and body).
+    pub fingerprint: String,
+    /// The new death, e.g. `died again: rejected in media.work, x-exception-type=KeyError`.
+    pub reason: String,
+}
+
+/// Whether `d` is one of `replay_id`'s messages carrying a death, and which.
+pub fn returned(d: &Delivery, replay_id: &str, sig_header: &str) -> Option<Returned> {
+    let p = &d.properties;
+    if message::header_text(p, REPLAY_ID).as_deref() != Some(replay_id) {
+        return None;
+    }
+    let death = message::deaths(p).into_iter().next()?;
+    let mut reason = format!("died again: {} in {}", death.reason, death.queue);
+    if let Some(v) = message::header_text(p, sig_header) {
+        reason.push_str(&format!(", {sig_header}={v}"));
+    }
+    Some(Returned {
+        identity: message::identity(p, &d.data),
+        fingerprint: message::fingerprint(p, &d.data),
+        reason,
+    })
+}
+
+/// An exclusive queue bound to the routes dead letters take into the DLQ.
+pub struct Returns {
+    channel: Channel,
+    queue: String,
+}
+
+impl Returns {
+    /// Bind a watch queue to `routes`; `None` when there is no route to bind to.
+    pub async fn open(conn: &Connection, routes: &BTreeSet<Route>) -> Result<Option<Self>, Error> {
+        if routes.is_empty() {
+            return Ok(None);
+        }
+        let channel = conn.create_channel().await?;
+        // Server-named, exclusive: gone with the connection, whatever ends the replay.
+        let q = channel
+            .queue_declare(
+                "".into(),
+                QueueDeclareOptions {
+                    exclusive: true,
+                    auto_delete: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        let queue = q.name().as_str().to_string();
+        for r in routes {
+            let bound = channel
+                .queue_bind(
+                    queue.as_str().into(),
+                    r.exchange.as_str().into(),
+                    r.routing_key.as_str().into(),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await;
+            if let Err(e) = bound {
+                // The exchange is gone (or never was ours to bind): watch without it.
+                tracing::warn!(exchange = %r.exchange, error = %e, "cannot watch a dead-letter route");
+                return Ok(None);
+            }
+        }
+        Ok(Some(Self { channel, queue }))
+    }
+
+    /// Every new dead letter since the last poll that is one of `replay_id`'s, coming back.
+    pub async fn poll(&self, replay_id: &str, sig_header: &str) -> Result<Vec<Returned>, Error> {
+        let mut out = Vec::new();
+        while let Some(m) = self
+            .channel
+            .basic_get(self.queue.as_str().into(), BasicGetOptions { no_ack: true })
+            .await?
+        {
+            if let Some(r) = returned(&m.delivery, replay_id, sig_header) {
+                out.push(r);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Drop the watch queue.
+    pub async fn close(self) {
+        let _ = self.channel.close(200, "watch done".into()).await;
+    }
+}
