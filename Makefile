@@ -15,7 +15,7 @@ demo: services
 	@echo "open $(CURDIR)/demo-report.html"
 
 test: services
-	$(CARGO) test --all-targets -- --test-threads 4
+	$(CARGO) test --workspace --all-targets -- --test-threads 4
 
 # The conformance suite and the controller lifecycles against a real cluster (E2E=1 and KUBECONFIG
 # set; skipped, and said so, otherwise). The controller runs in-process against the local RabbitMQ
@@ -26,8 +26,8 @@ e2e: services
 	E2E=1 $(CARGO) test --test controller -- e2e --nocapture
 
 lint:
-	$(CARGO) fmt --check
-	$(CARGO) clippy --all-targets -- -D warnings
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 # Throughput vs RabbitMQ's Shovel, rate accuracy and memory growth of the release binary
 # (BENCH_N=50000 messages per run, BENCH_REPS=3, BENCH_MEM=0 skips the 100k memory run,
