@@ -2,6 +2,7 @@
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
+COPY crates crates
 COPY src src
 RUN cargo build --release --locked --bin dlq-replay
 

@@ -1,15 +1,12 @@
 //! The canary stage of a pass: Pending → Canary. Check the ground, send one canary per failure
 //! signature, watch for returns, decide what the drain may take.
 
-use lapin::Connection;
-use tokio_util::sync::CancellationToken;
-
-use super::{add, canary, proven, publish, store, Options, Progress, Replay};
-use crate::status::{Phase, ReplayStatus};
+use super::{add, canary, proven, store};
+use crate::pass::Pass;
+use crate::status::Phase;
 use crate::Error;
-use store::Store;
 
-pub(super) enum CanaryEnd {
+pub(crate) enum CanaryEnd {
     /// Drain the signatures the canaries proved.
     Drain(proven::Proven),
     /// Do not drain: the status says why.
@@ -17,18 +14,10 @@ pub(super) enum CanaryEnd {
 }
 
 /// Pending → Canary: check the ground, send one canary per signature, watch, decide.
-#[allow(clippy::too_many_arguments)]
-pub(super) async fn canary_phase(
-    replay: &Replay,
-    opts: &Options,
-    progress: &Progress,
-    cancel: &CancellationToken,
-    conn: &Connection,
-    state: &store::State,
-    publisher: &mut publish::Publisher,
-    store: &mut Store,
-    status: &mut ReplayStatus,
-) -> Result<CanaryEnd, Error> {
+pub(crate) async fn canary_phase(pass: &mut Pass<'_>) -> Result<CanaryEnd, Error> {
+    let (replay, opts, progress, cancel) = (pass.replay, pass.opts, pass.progress, pass.cancel);
+    let (conn, state) = (&pass.conn, &pass.state);
+    let (publisher, store, status) = (&mut pass.publisher, &mut pass.store, &mut pass.status);
     let spec = &replay.spec;
     if let Some(json) = &state.canary {
         // A resumed replay keeps the decisions its canaries already made.

@@ -22,6 +22,7 @@ mod drain;
 pub mod keep;
 pub mod key;
 pub mod message;
+mod pass;
 pub mod plan;
 mod preflight;
 pub mod proven;
@@ -31,24 +32,16 @@ pub mod source;
 pub mod store;
 pub mod watch;
 
-use std::num::NonZeroU32;
 use std::time::Duration;
 
-use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
-use lapin::options::QueueDeclareOptions;
-use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 use tokio_util::sync::CancellationToken;
 
 use crate::spec::DlqReplaySpec;
-use crate::status::{AuditRef, Counts, Phase, ReplayStatus};
-use canary_phase::{canary_phase, CanaryEnd};
-use drain::{Drain, End};
+use crate::status::{Counts, Phase, ReplayStatus};
 pub use error::{broker_connection_lost, redis_connection_lost, Error};
-use preflight::{audit_config, redis_preflight};
+use pass::{Opened, Pass, PassEnd};
 pub use preflight::{redis_check, RedisCheck};
-use source::Source;
-use store::Store;
 
 /// A replay ready to run: its spec and the URLs its secrets resolved to.
 #[derive(Clone, Debug)]
@@ -193,8 +186,8 @@ pub async fn run(
     let mut last = progress.borrow().clone();
     loop {
         let why = match run_pass(replay, opts, progress, cancel).await {
-            Ok(Pass::Ended(status)) => return Ok(status),
-            Ok(Pass::Lost(status, why)) => {
+            Ok(PassEnd::Ended(status)) => return Ok(status),
+            Ok(PassEnd::Lost(status, why)) => {
                 // A pass that settled something had its connections back: the next loss gets
                 // the whole budget again.
                 if status.counts.scanned > last.counts.scanned {
@@ -258,6 +251,29 @@ pub fn backoff(max: Duration) -> backon::ExponentialBackoff {
         .build()
 }
 
+/// One pass on fresh connections ([`pass`]): its context opened once, then its stages.
+async fn run_pass(
+    replay: &Replay,
+    opts: &Options,
+    progress: &Progress,
+    cancel: &CancellationToken,
+) -> Result<PassEnd, Error> {
+    let end = match Pass::open(replay, opts, progress, cancel).await? {
+        Opened::Ended(status) => PassEnd::Ended(status),
+        Opened::Lost(status, why) => PassEnd::Lost(status, why),
+        Opened::Ready(pass) => match pass.run().await {
+            Ok(end) => end,
+            // The replay has begun: a lost connection from here on is worth another pass.
+            Err(e) if e.is_transient() => PassEnd::Lost(progress.borrow().clone(), e.to_string()),
+            Err(e) => return Err(e),
+        },
+    };
+    if let PassEnd::Ended(status) = &end {
+        progress.send_replace(status.clone());
+    }
+    Ok(end)
+}
+
 fn gave_up(mut status: ReplayStatus, why: &str, budget: Duration) -> ReplayStatus {
     status.phase = Some(Phase::Failed);
     status.message = Some(format!(
@@ -265,255 +281,6 @@ fn gave_up(mut status: ReplayStatus, why: &str, budget: Duration) -> ReplayStatu
         budget.as_secs()
     ));
     status
-}
-
-/// How a pass ended.
-enum Pass {
-    /// The replay reached a phase that stands (Done, Failed, CanaryFailed, Suspended, Pending).
-    Ended(ReplayStatus),
-    /// A connection went away: the status so far, and why.
-    Lost(ReplayStatus, String),
-}
-
-/// One pass over the queue on fresh connections: a first run, a rerun and a reconnect all start
-/// here and resume from the state in Redis.
-async fn run_pass(
-    replay: &Replay,
-    opts: &Options,
-    progress: &Progress,
-    cancel: &CancellationToken,
-) -> Result<Pass, Error> {
-    let src_conn = connect_amqp(&replay.amqp_url, &replay.connection_name("source")).await?;
-    let depth = source::queue_state(&src_conn, &replay.spec.source.queue)
-        .await?
-        .ok_or_else(|| Error::SourceMissing(replay.spec.source.queue.clone()))?
-        .0;
-    let mut con = store::connect(&replay.redis_url).await?;
-    let eviction_risk = redis_preflight(replay, &mut con, depth.into()).await?;
-    let (mut store, state) = Store::begin(
-        con,
-        &replay.namespace,
-        &replay.state_name(),
-        depth.into(),
-        &now(),
-        &audit_config(&replay.spec),
-    )
-    .await?;
-    // A batch whose publishes are confirmed is worth waiting for Redis: as long as a lost
-    // connection would be.
-    store.retry_for(opts.reconnect);
-    store.report_waits_to(progress.clone());
-    // A stop (suspend, delete, shutdown) ends the waits between Redis retries (see Store::stop_on).
-    store.stop_on(cancel.clone());
-    if let Some(done) = &state.final_status {
-        let status: ReplayStatus = serde_json::from_str(done)
-            .map_err(|e| Error::Redis(format!("stored final status is unreadable: {e}")))?;
-        progress.send_replace(status.clone());
-        let _ = src_conn.close(200, "done".into()).await;
-        return Ok(Pass::Ended(status));
-    }
-    let mut status = initial_status(&state, store.keys().audit.clone());
-    status.redis_eviction_risk = eviction_risk;
-    if let Some(a) = status.audit.as_mut() {
-        a.sink = replay.spec.audit_sink();
-    }
-    let res = replay_pass(
-        replay, opts, progress, cancel, &src_conn, state, store, status,
-    )
-    .await;
-    let _ = src_conn.close(200, "done".into()).await;
-    let pass = match res {
-        Ok(pass) => pass,
-        // The replay has begun: a lost connection from here on is worth another pass.
-        Err(e) if e.is_transient() => Pass::Lost(progress.borrow().clone(), e.to_string()),
-        Err(e) => return Err(e),
-    };
-    if let Pass::Ended(status) = &pass {
-        progress.send_replace(status.clone());
-    }
-    Ok(pass)
-}
-
-/// The pass once its state is loaded: canaries (unless already decided), then the drain.
-#[allow(clippy::too_many_arguments)]
-async fn replay_pass(
-    replay: &Replay,
-    opts: &Options,
-    progress: &Progress,
-    cancel: &CancellationToken,
-    src_conn: &Connection,
-    state: store::State,
-    mut store: Store,
-    mut status: ReplayStatus,
-) -> Result<Pass, Error> {
-    declare_quarantine(src_conn, &replay.spec.quarantine.queue).await?;
-    let pub_conn = connect_amqp(&replay.amqp_url, &replay.connection_name("publish")).await?;
-    let mut publisher = publish::Publisher::open(pub_conn, &amqp_user(&replay.amqp_url)).await?;
-    let phase = canary_phase(
-        replay,
-        opts,
-        progress,
-        cancel,
-        src_conn,
-        &state,
-        &mut publisher,
-        &mut store,
-        &mut status,
-    )
-    .await;
-    let proven = match phase {
-        Ok(CanaryEnd::Drain(proven)) => proven,
-        Ok(CanaryEnd::Stop) => {
-            if status.phase == Some(Phase::CanaryFailed) {
-                status.finished_at = Some(now());
-                if let Ok(json) = serde_json::to_string(&status) {
-                    store.finish(&json, false).await?;
-                }
-            }
-            return Ok(Pass::Ended(status));
-        }
-        Err(e) if e.is_transient() => return Ok(Pass::Lost(status, e.to_string())),
-        Err(e) => {
-            status.phase = Some(Phase::Failed);
-            status.message = Some(format!(
-                "{e}; nothing else was replayed; run it again to resume"
-            ));
-            return Ok(Pass::Ended(status));
-        }
-    };
-    // The canaries (and what came back) changed the queue: the drain's bound is what it holds now.
-    let depth = source::queue_state(src_conn, &replay.spec.source.queue)
-        .await?
-        .ok_or_else(|| Error::SourceMissing(replay.spec.source.queue.clone()))?
-        .0;
-    status.phase = Some(Phase::Draining);
-    status.message = Some(format!("replaying, {depth} messages in the queue"));
-    progress.send_replace(status.clone());
-
-    let window = opts.window.max(1);
-    let step = step_size(&replay.spec, window);
-    let queue = &replay.spec.source.queue;
-    let src = Source::open(src_conn, queue, prefetch(window), depth.into()).await?;
-    let mover = keep::Mover::open(publisher.connection(), publisher.user(), queue).await?;
-    let ledger = keep::Ledger::open(store.redis(), &replay.amqp_url, queue).await?;
-    let mut drain = Drain::new(
-        replay,
-        &state,
-        src,
-        publisher,
-        store,
-        status,
-        depth.into(),
-        (window, step),
-    );
-    drain.keeper = Some((mover, ledger));
-    drain.proven = proven;
-    drain.cancel = cancel.clone();
-    if replay.spec.canary.enabled {
-        let mut redis = drain.store.redis();
-        drain.routes = watch::known(&mut redis, &replay.amqp_url, queue).await?;
-        drain.returns = watch::Returns::open(src_conn, &drain.routes).await?;
-    }
-    let end = drain.run(opts, progress, cancel).await;
-    if let End::Drained = end {
-        // Every message the pass began with was met: the ledger's doubts about them are settled.
-        if let Some((_, ledger)) = drain.keeper.as_mut() {
-            if let Err(e) = ledger.resolved().await {
-                tracing::warn!(error = %e, "settling the move ledger");
-            }
-        }
-    }
-    let mut redis = drain.store.redis();
-    if let Err(e) = watch::learn(&mut redis, &replay.amqp_url, queue, &drain.routes).await {
-        tracing::warn!(error = %e, "remembering the dead-letter routes");
-    }
-    if let Some(r) = drain.returns.take() {
-        r.close().await;
-    }
-    let lost = match &end {
-        End::Error(e) if e.is_transient() => Some(e.to_string()),
-        End::Error(e) if !drain.connected(src_conn) => Some(format!("connection lost: {e}")),
-        _ => None,
-    };
-    let mut status = drain.finish(end).await;
-    if let Some(why) = lost {
-        // Not a phase: the next pass picks the drain up where this one left it.
-        status.phase = Some(Phase::Draining);
-        return Ok(Pass::Lost(status, why));
-    }
-    if status.phase == Some(Phase::Done) {
-        if let Ok(json) = serde_json::to_string(&status) {
-            if let Err(e) = drain.store.finish(&json, true).await {
-                if e.is_transient() {
-                    return Ok(Pass::Lost(status, e.to_string()));
-                }
-                status.phase = Some(Phase::Failed);
-                status.message = Some(format!("could not record the final status: {e}"));
-            }
-        }
-    }
-    Ok(Pass::Ended(status))
-}
-
-async fn declare_quarantine(conn: &Connection, queue: &str) -> Result<(), Error> {
-    if source::queue_state(conn, queue).await?.is_some() {
-        return Ok(());
-    }
-    let ch = conn.create_channel().await?;
-    ch.queue_declare(
-        queue.into(),
-        QueueDeclareOptions::durable(),
-        FieldTable::default(),
-    )
-    .await?;
-    let _ = ch.close(200, "ok".into()).await;
-    Ok(())
-}
-
-fn initial_status(state: &store::State, audit_key: String) -> ReplayStatus {
-    ReplayStatus {
-        phase: Some(Phase::Pending),
-        replay_id: Some(state.replay_id.clone()),
-        source_depth_at_start: Some(state.depth_at_start),
-        counts: state.counts,
-        audit: Some(AuditRef {
-            key: audit_key,
-            records: state.records,
-            ..AuditRef::default()
-        }),
-        started_at: Some(state.started_at.clone()),
-        ..Default::default()
-    }
-}
-
-/// Deliveries per step: half the window, so two steps are in flight (one landing while the
-/// other's publishes are confirmed; measured faster than four smaller steps at the same window). With a rate limit,
-/// at most about a tenth of a second of messages, so the status follows the rate.
-fn step_size(spec: &DlqReplaySpec, window: usize) -> usize {
-    let step = (window / 2).max(1);
-    match &spec.rate {
-        Some(r) => ((r.messages_per_second / 10) as usize).clamp(1, step),
-        None => step,
-    }
-}
-
-/// The consumer's prefetch: deliveries wait in the client ahead of the window (at no risk: not
-/// decided, they go back untouched on a crash), so a step never waits for the broker. The
-/// pass's last `prefetch` messages come by basic.get (see [`source::Source::open`]), which
-/// bounds it.
-fn prefetch(window: usize) -> u16 {
-    (window * 8).clamp(64, 1024) as u16
-}
-
-fn limiter(spec: &DlqReplaySpec) -> Option<DefaultDirectRateLimiter> {
-    let rate = spec.rate.as_ref()?;
-    let per_second = NonZeroU32::new(rate.messages_per_second)?;
-    // Default burst: a twentieth of a second's worth, so no second sees much more than the rate.
-    let burst = rate.burst.unwrap_or((rate.messages_per_second / 20).max(1));
-    let burst = NonZeroU32::new(burst).unwrap_or(NonZeroU32::MIN);
-    Some(RateLimiter::direct(
-        Quota::per_second(per_second).allow_burst(burst),
-    ))
 }
 
 /// The counts as a status message says them.

@@ -35,7 +35,7 @@ use tokio_util::sync::CancellationToken;
 use super::classify::Destination;
 use super::source::{self, Source};
 use super::store::{self, Store};
-use super::{keep, limiter, proven, publish, watch, Options, Progress, Replay};
+use super::{keep, proven, publish, watch, Options, Progress, Replay};
 use crate::status::ReplayStatus;
 use crate::Error;
 
@@ -196,7 +196,7 @@ impl<'a> Drain<'a> {
             publisher,
             gate_store: store.clone(),
             store,
-            limiter: limiter(&replay.spec),
+            limiter: crate::pass::limiter(&replay.spec),
             // A resumed replay's earlier selections count against the limit.
             selected: state.counts.scanned - state.counts.skipped,
             status,

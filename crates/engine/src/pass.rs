@@ -1,0 +1,351 @@
+//! One pass of a replay, flowing one way: its context is opened once ([`Pass::open`]:
+//! connections, the store and the replay's state, the publisher), then the stages run in order
+//! over it: the canary ([`crate::canary_phase`]), the drain ([`Pass::drain`], which opens the
+//! queue's consumer, the mover, the move ledger and the known dead-letter routes once) and the
+//! finish ([`Drained::finish`]). A first run, a rerun and a reconnect all start a new pass, which
+//! resumes from the state in Redis.
+
+use std::num::NonZeroU32;
+use std::sync::Arc;
+
+use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
+use lapin::options::QueueDeclareOptions;
+use lapin::types::FieldTable;
+use lapin::Connection;
+use tokio_util::sync::CancellationToken;
+
+use crate::canary_phase::{canary_phase, CanaryEnd};
+use crate::drain::{Drain, End};
+use crate::preflight::{audit_config, redis_preflight};
+use crate::source::{self, Source};
+use crate::spec::DlqReplaySpec;
+use crate::status::{AuditRef, Phase, ReplayStatus};
+use crate::store::{self, Store};
+use crate::{amqp_user, connect_amqp, keep, now, proven, publish, watch};
+use crate::{Error, Options, Progress, Replay};
+
+/// How a pass ended.
+pub(crate) enum PassEnd {
+    /// The replay reached a phase that stands (Done, Failed, CanaryFailed, Suspended, Pending).
+    Ended(ReplayStatus),
+    /// A connection went away: the status so far, and why.
+    Lost(ReplayStatus, String),
+}
+
+/// What the stages of a pass share, opened once.
+pub(crate) struct Pass<'a> {
+    pub replay: &'a Replay,
+    pub opts: &'a Options,
+    pub progress: &'a Progress,
+    pub cancel: &'a CancellationToken,
+    /// The source connection: the dead-letter queue's consumer, the canaries' watch, queue
+    /// depths and declarations (shared with the pass's end, which closes it).
+    pub conn: Arc<Connection>,
+    /// Confirmed publishes on a connection of their own.
+    pub publisher: publish::Publisher,
+    pub store: Store,
+    /// The replay's state as Redis held it when the pass began.
+    pub state: store::State,
+    pub status: ReplayStatus,
+}
+
+/// What opening a pass found.
+pub(crate) enum Opened<'a> {
+    /// The replay had ended already (its final status is stored): nothing to do.
+    Ended(ReplayStatus),
+    Ready(Box<Pass<'a>>),
+    /// A connection went away once the replay's state was loaded: worth another pass.
+    Lost(ReplayStatus, String),
+}
+
+impl<'a> Pass<'a> {
+    /// Connect, check the Redis, load (or begin) the replay's state, declare the quarantine and
+    /// open the publisher. Errors here come before anything is touched.
+    pub(crate) async fn open(
+        replay: &'a Replay,
+        opts: &'a Options,
+        progress: &'a Progress,
+        cancel: &'a CancellationToken,
+    ) -> Result<Opened<'a>, Error> {
+        let conn = connect_amqp(&replay.amqp_url, &replay.connection_name("source")).await?;
+        let depth = source_depth(&conn, &replay.spec).await?;
+        let mut con = store::connect(&replay.redis_url).await?;
+        let eviction_risk = redis_preflight(replay, &mut con, depth.into()).await?;
+        let (mut store, state) = Store::begin(
+            con,
+            &replay.namespace,
+            &replay.state_name(),
+            depth.into(),
+            &now(),
+            &audit_config(&replay.spec),
+        )
+        .await?;
+        // A batch whose publishes are confirmed is worth waiting for Redis: as long as a lost
+        // connection would be.
+        store.retry_for(opts.reconnect);
+        store.report_waits_to(progress.clone());
+        // A stop (suspend, delete, shutdown) ends the waits between Redis retries.
+        store.stop_on(cancel.clone());
+        if let Some(done) = &state.final_status {
+            let status: ReplayStatus = serde_json::from_str(done)
+                .map_err(|e| Error::Redis(format!("stored final status is unreadable: {e}")))?;
+            let _ = conn.close(200, "done".into()).await;
+            return Ok(Opened::Ended(status));
+        }
+        let mut status = initial_status(&state, store.keys().audit.clone());
+        status.redis_eviction_risk = eviction_risk;
+        if let Some(a) = status.audit.as_mut() {
+            a.sink = replay.spec.audit_sink();
+        }
+        let opened = async {
+            declare_quarantine(&conn, &replay.spec.quarantine.queue).await?;
+            let pub_conn =
+                connect_amqp(&replay.amqp_url, &replay.connection_name("publish")).await?;
+            publish::Publisher::open(pub_conn, &amqp_user(&replay.amqp_url)).await
+        };
+        let publisher = match opened.await {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = conn.close(200, "done".into()).await;
+                // The replay has begun: a lost connection from here on is worth another pass.
+                if e.is_transient() {
+                    return Ok(Opened::Lost(status, e.to_string()));
+                }
+                return Err(e);
+            }
+        };
+        Ok(Opened::Ready(Box::new(Pass {
+            replay,
+            opts,
+            progress,
+            cancel,
+            conn: Arc::new(conn),
+            publisher,
+            store,
+            state,
+            status,
+        })))
+    }
+
+    /// The stages in order: canary, drain, finish. The source connection is closed at the end
+    /// whatever happened (everything unsettled goes back to the queue).
+    pub(crate) async fn run(self) -> Result<PassEnd, Error> {
+        let conn = self.conn.clone();
+        let end = self.stages().await;
+        let _ = conn.close(200, "done".into()).await;
+        end
+    }
+
+    async fn stages(mut self) -> Result<PassEnd, Error> {
+        let proven = match canary_phase(&mut self).await {
+            Ok(CanaryEnd::Drain(proven)) => proven,
+            Ok(CanaryEnd::Stop) => return self.stopped().await,
+            Err(e) if e.is_transient() => return Ok(PassEnd::Lost(self.status, e.to_string())),
+            Err(e) => {
+                self.status.phase = Some(Phase::Failed);
+                self.status.message = Some(format!(
+                    "{e}; nothing else was replayed; run it again to resume"
+                ));
+                return Ok(PassEnd::Ended(self.status));
+            }
+        };
+        let drained = self.drain(proven).await?;
+        drained.finish().await
+    }
+
+    /// The canary stage said not to drain: a CanaryFailed verdict is final and stored.
+    async fn stopped(mut self) -> Result<PassEnd, Error> {
+        if self.status.phase == Some(Phase::CanaryFailed) {
+            self.status.finished_at = Some(now());
+            if let Ok(json) = serde_json::to_string(&self.status) {
+                self.store.finish(&json, false).await?;
+            }
+        }
+        Ok(PassEnd::Ended(self.status))
+    }
+
+    /// Canary → Draining: what the drain needs is opened once, then the drain runs to its end.
+    async fn drain(self, proven: proven::Proven) -> Result<Drained<'a>, Error> {
+        let Pass {
+            replay,
+            opts,
+            progress,
+            cancel,
+            conn,
+            publisher,
+            store,
+            state,
+            mut status,
+        } = self;
+        // The canaries (and what came back) changed the queue: the drain's bound is what it
+        // holds now.
+        let depth = source_depth(&conn, &replay.spec).await?;
+        status.phase = Some(Phase::Draining);
+        status.message = Some(format!("replaying, {depth} messages in the queue"));
+        progress.send_replace(status.clone());
+
+        let window = opts.window.max(1);
+        let step = step_size(&replay.spec, window);
+        let queue = &replay.spec.source.queue;
+        let src = Source::open(&conn, queue, prefetch(window), depth.into()).await?;
+        let mover = keep::Mover::open(publisher.connection(), publisher.user(), queue).await?;
+        let ledger = keep::Ledger::open(store.redis(), &replay.amqp_url, queue).await?;
+        let mut drain = Drain::new(
+            replay,
+            &state,
+            src,
+            publisher,
+            store,
+            status,
+            depth.into(),
+            (window, step),
+        );
+        drain.keeper = Some((mover, ledger));
+        drain.proven = proven;
+        drain.cancel = cancel.clone();
+        if replay.spec.canary.enabled {
+            let mut redis = drain.store.redis();
+            drain.routes = watch::known(&mut redis, &replay.amqp_url, queue).await?;
+            drain.returns = watch::Returns::open(&conn, &drain.routes).await?;
+        }
+        let end = drain.run(opts, progress, cancel).await;
+        Ok(Drained {
+            replay,
+            conn,
+            drain,
+            end,
+        })
+    }
+}
+
+/// A drain that ran to its end, and how it ended.
+pub(crate) struct Drained<'a> {
+    replay: &'a Replay,
+    conn: Arc<Connection>,
+    drain: Drain<'a>,
+    end: End,
+}
+
+impl Drained<'_> {
+    /// Settle what the drain leaves behind (the move ledger, the routes learnt, the returns
+    /// watch), write the final status, and say whether the pass ended or lost a connection.
+    async fn finish(self) -> Result<PassEnd, Error> {
+        let Drained {
+            replay,
+            conn,
+            mut drain,
+            end,
+        } = self;
+        let queue = &replay.spec.source.queue;
+        if let End::Drained = end {
+            // Every message the pass began with was met: the ledger's doubts about them are
+            // settled.
+            if let Some((_, ledger)) = drain.keeper.as_mut() {
+                if let Err(e) = ledger.resolved().await {
+                    tracing::warn!(error = %e, "settling the move ledger");
+                }
+            }
+        }
+        let mut redis = drain.store.redis();
+        if let Err(e) = watch::learn(&mut redis, &replay.amqp_url, queue, &drain.routes).await {
+            tracing::warn!(error = %e, "remembering the dead-letter routes");
+        }
+        if let Some(r) = drain.returns.take() {
+            r.close().await;
+        }
+        let lost = match &end {
+            End::Error(e) if e.is_transient() => Some(e.to_string()),
+            End::Error(e) if !drain.connected(&conn) => Some(format!("connection lost: {e}")),
+            _ => None,
+        };
+        let mut status = drain.finish(end).await;
+        if let Some(why) = lost {
+            // Not a phase: the next pass picks the drain up where this one left it.
+            status.phase = Some(Phase::Draining);
+            return Ok(PassEnd::Lost(status, why));
+        }
+        if status.phase == Some(Phase::Done) {
+            if let Ok(json) = serde_json::to_string(&status) {
+                if let Err(e) = drain.store.finish(&json, true).await {
+                    if e.is_transient() {
+                        return Ok(PassEnd::Lost(status, e.to_string()));
+                    }
+                    status.phase = Some(Phase::Failed);
+                    status.message = Some(format!("could not record the final status: {e}"));
+                }
+            }
+        }
+        Ok(PassEnd::Ended(status))
+    }
+}
+
+/// How many messages the dead-letter queue holds now; a missing queue is refused.
+async fn source_depth(conn: &Connection, spec: &DlqReplaySpec) -> Result<u32, Error> {
+    Ok(source::queue_state(conn, &spec.source.queue)
+        .await?
+        .ok_or_else(|| Error::SourceMissing(spec.source.queue.clone()))?
+        .0)
+}
+
+async fn declare_quarantine(conn: &Connection, queue: &str) -> Result<(), Error> {
+    if source::queue_state(conn, queue).await?.is_some() {
+        return Ok(());
+    }
+    let ch = conn.create_channel().await?;
+    ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions::durable(),
+        FieldTable::default(),
+    )
+    .await?;
+    let _ = ch.close(200, "ok".into()).await;
+    Ok(())
+}
+
+fn initial_status(state: &store::State, audit_key: String) -> ReplayStatus {
+    ReplayStatus {
+        phase: Some(Phase::Pending),
+        replay_id: Some(state.replay_id.clone()),
+        source_depth_at_start: Some(state.depth_at_start),
+        counts: state.counts,
+        audit: Some(AuditRef {
+            key: audit_key,
+            records: state.records,
+            ..AuditRef::default()
+        }),
+        started_at: Some(state.started_at.clone()),
+        ..Default::default()
+    }
+}
+
+/// Deliveries per step: half the window, so two steps are in flight (one landing while the
+/// other's publishes are confirmed; measured faster than four smaller steps at the same
+/// window). With a rate limit, at most about a tenth of a second of messages, so the status
+/// follows the rate.
+fn step_size(spec: &DlqReplaySpec, window: usize) -> usize {
+    let step = (window / 2).max(1);
+    match &spec.rate {
+        Some(r) => ((r.messages_per_second / 10) as usize).clamp(1, step),
+        None => step,
+    }
+}
+
+/// The consumer's prefetch: deliveries wait in the client ahead of the window (at no risk: not
+/// decided, they go back untouched on a crash), so a step never waits for the broker. The
+/// pass's last `prefetch` messages come by basic.get (see [`source::Source::open`]), which
+/// bounds it.
+fn prefetch(window: usize) -> u16 {
+    (window * 8).clamp(64, 1024) as u16
+}
+
+/// The drain's rate limiter (`spec.rate`).
+pub(crate) fn limiter(spec: &DlqReplaySpec) -> Option<DefaultDirectRateLimiter> {
+    let rate = spec.rate.as_ref()?;
+    let per_second = NonZeroU32::new(rate.messages_per_second)?;
+    // Default burst: a twentieth of a second's worth, so no second sees much more than the rate.
+    let burst = rate.burst.unwrap_or((rate.messages_per_second / 20).max(1));
+    let burst = NonZeroU32::new(burst).unwrap_or(NonZeroU32::MIN);
+    Some(RateLimiter::direct(
+        Quota::per_second(per_second).allow_burst(burst),
+    ))
+}
