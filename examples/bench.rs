@@ -382,7 +382,12 @@ async fn main() {
         std::process::exit(2);
     }
     let n = env_usize("BENCH_N", 50_000);
-    let reps = env_usize("BENCH_REPS", 3).max(3);
+    // At least 3 (medians), but for a run of chosen rows (BENCH_ROWS: a profiler's, say).
+    let reps = env_usize("BENCH_REPS", 3).max(if std::env::var_os("BENCH_ROWS").is_some() {
+        1
+    } else {
+        3
+    });
     let mem = std::env::var("BENCH_MEM").map(|v| v != "0").unwrap_or(true);
     let queues = env_queues();
     let sections_wanted =
