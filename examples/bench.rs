@@ -102,6 +102,85 @@ struct Run {
     usage: Usage,
     /// The replay's keys in Redis (with `Extras::footprint`).
     footprint: Option<Footprint>,
+    /// Messages replayed (published to the target): n for Shovel and the bare client.
+    replayed: u64,
+    /// Redis over the run, from its own INFO: CPU seconds (used_cpu_user + used_cpu_sys) and
+    /// commands executed (INFO commandstats, scripts' inner calls included, INFO itself not).
+    redis_info: RedisDelta,
+    /// Allocations of the process (a binary built with `--features count-allocs` prints them
+    /// at exit), none otherwise.
+    allocs: Option<u64>,
+}
+
+/// Redis's own counters over a run (INFO cpu, INFO commandstats).
+#[derive(Debug, Clone, Default)]
+struct RedisDelta {
+    cpu: f64,
+    calls: u64,
+    /// Calls per command, largest first.
+    by_command: Vec<(String, u64)>,
+}
+
+/// Redis's counters now: CPU seconds and calls per command (INFO's own calls left out).
+async fn redis_counters(
+    con: &mut ConnectionManager,
+) -> (f64, std::collections::BTreeMap<String, u64>) {
+    let cpu_info = redis_info(con, "cpu").await;
+    let f = |n: &str| {
+        info_field(&cpu_info, n)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let cpu = f("used_cpu_user") + f("used_cpu_sys");
+    let stats = redis_info(con, "commandstats").await;
+    let mut calls = std::collections::BTreeMap::new();
+    for line in stats.lines() {
+        let Some((name, rest)) = line
+            .strip_prefix("cmdstat_")
+            .and_then(|l| l.split_once(':'))
+        else {
+            continue;
+        };
+        if name == "info" {
+            continue;
+        }
+        let n = rest
+            .split(',')
+            .find_map(|kv| kv.strip_prefix("calls="))
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+        calls.insert(name.to_string(), n);
+    }
+    (cpu, calls)
+}
+
+fn redis_delta(
+    before: &(f64, std::collections::BTreeMap<String, u64>),
+    after: &(f64, std::collections::BTreeMap<String, u64>),
+) -> RedisDelta {
+    let mut by_command: Vec<(String, u64)> = after
+        .1
+        .iter()
+        .map(|(k, v)| (k.clone(), v.saturating_sub(*before.1.get(k).unwrap_or(&0))))
+        .filter(|(_, v)| *v > 0)
+        .collect();
+    by_command.sort_by_key(|c| std::cmp::Reverse(c.1));
+    RedisDelta {
+        cpu: (after.0 - before.0).max(0.0),
+        calls: by_command.iter().map(|(_, v)| v).sum(),
+        by_command,
+    }
+}
+
+/// The allocation count a `count-allocs` build prints at exit, from its stderr.
+fn parse_allocs(stderr: &[u8]) -> Option<u64> {
+    String::from_utf8_lossy(stderr).lines().find_map(|l| {
+        l.strip_prefix("count-allocs: allocations=")?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    })
 }
 
 /// CPU seconds so far (a snapshot) or over a run (a difference of two).
@@ -129,6 +208,51 @@ impl std::ops::Sub for Usage {
 }
 
 impl Run {
+    /// CPU microseconds per DLQ message of the process measured (dlq-replay, or this harness
+    /// for the bare client), none for Shovel (it runs inside the broker).
+    fn own_us(&self) -> Option<f64> {
+        self.cpu.map(|(u, s)| (u + s) * 1e6 / self.n as f64)
+    }
+
+    fn broker_us(&self) -> f64 {
+        self.usage.broker * 1e6 / self.n as f64
+    }
+
+    /// Redis CPU per DLQ message, from Redis's INFO cpu.
+    fn redis_us(&self) -> f64 {
+        self.redis_info.cpu * 1e6 / self.n as f64
+    }
+
+    /// Redis commands per replayed message.
+    fn redis_calls(&self) -> f64 {
+        self.redis_info.calls as f64 / self.replayed.max(1) as f64
+    }
+
+    fn allocs_per(&self) -> Option<f64> {
+        self.allocs.map(|a| a as f64 / self.replayed.max(1) as f64)
+    }
+
+    fn cost_text(&self) -> String {
+        let top: Vec<String> = self
+            .redis_info
+            .by_command
+            .iter()
+            .take(8)
+            .map(|(c, n)| format!("{c} {n}"))
+            .collect();
+        format!(
+            "per message: own {} us, broker {:.1} us, Redis {:.1} us CPU; Redis {:.2} commands per replayed message ({}){}",
+            self.own_us().map(|u| format!("{u:.1}")).unwrap_or_else(|| "-".into()),
+            self.broker_us(),
+            self.redis_us(),
+            self.redis_calls(),
+            top.join(", "),
+            self.allocs_per()
+                .map(|a| format!("; {a:.1} allocations per replayed message ({} in all)", self.allocs.unwrap_or(0)))
+                .unwrap_or_default()
+        )
+    }
+
     fn rate(&self) -> f64 {
         self.n as f64 / self.wall
     }
@@ -258,7 +382,12 @@ async fn main() {
         std::process::exit(2);
     }
     let n = env_usize("BENCH_N", 50_000);
-    let reps = env_usize("BENCH_REPS", 3).max(3);
+    // At least 3 (medians), but for a run of chosen rows (BENCH_ROWS: a profiler's, say).
+    let reps = env_usize("BENCH_REPS", 3).max(if std::env::var_os("BENCH_ROWS").is_some() {
+        1
+    } else {
+        3
+    });
     let mem = std::env::var("BENCH_MEM").map(|v| v != "0").unwrap_or(true);
     let queues = env_queues();
     let sections_wanted =
@@ -280,6 +409,13 @@ async fn main() {
         let mut shovel = vec![Vec::new(); sections.len()];
         let mut check = vec![Vec::new(); sections.len()];
         let mut claim = vec![Vec::new(); sections.len()];
+        let mut bare = vec![Vec::new(); sections.len()];
+        let window = b.window();
+        // BENCH_ROWS picks the rows (default all): e.g. `check,claim` with a count-allocs or a
+        // BENCH_WRAP'd (callgrind) binary.
+        let rows_env =
+            std::env::var("BENCH_ROWS").unwrap_or_else(|_| "shovel,bare,check,claim".into());
+        let rows: Vec<&str> = rows_env.split(',').map(str::trim).collect();
         println!(
             "\n== throughput: N = {n} messages of ~{BODY_BYTES} B JSON, {reps} runs each, alternating; sections: {}",
             sections
@@ -291,17 +427,26 @@ async fn main() {
         for rep in 1..=reps {
             for (i, s) in sections.iter().enumerate() {
                 let t = &s.tag;
-                shovel[i].push(b.shovel(s, rep, n).await);
-                check[i].push(
-                    b.replay(s, &format!("{t}check{rep}"), n, "Check", Extras::default())
-                        .await
-                        .0,
-                );
-                claim[i].push(
-                    b.replay(s, &format!("{t}claim{rep}"), n, "Claim", Extras::default())
-                        .await
-                        .0,
-                );
+                if rows.contains(&"shovel") {
+                    shovel[i].push(b.shovel(s, rep, n).await);
+                }
+                if rows.contains(&"bare") {
+                    bare[i].push(b.bare(s, rep, n, window).await);
+                }
+                if rows.contains(&"check") {
+                    check[i].push(
+                        b.replay(s, &format!("{t}check{rep}"), n, "Check", Extras::default())
+                            .await
+                            .0,
+                    );
+                }
+                if rows.contains(&"claim") {
+                    claim[i].push(
+                        b.replay(s, &format!("{t}claim{rep}"), n, "Claim", Extras::default())
+                            .await
+                            .0,
+                    );
+                }
             }
         }
         println!(
@@ -329,10 +474,39 @@ async fn main() {
             let shovel_median = median(shovel[i].iter().map(Run::rate));
             for (name, runs) in [
                 ("shovel (on-confirm)", &shovel[i]),
+                ("bare client", &bare[i]),
                 ("dlq-replay Check", &check[i]),
                 ("dlq-replay Claim", &claim[i]),
             ] {
                 table_row(name, runs, shovel_median);
+            }
+        }
+        println!(
+            "\n== cost per message (medians; CPU us per DLQ message; Redis: its own INFO cpu and commandstats, commands per replayed message; allocations per replayed message when the binary was built with --features count-allocs; bare client: consume, publish with confirms at window {window}, ack after confirm, in this harness)"
+        );
+        println!(
+            "{:<19} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>9} {:>9}",
+            "scenario",
+            "own us",
+            "broker us",
+            "Redis us",
+            "Redis cmd",
+            "allocs",
+            "msg/s",
+            "vs Shovel",
+            "vs bare"
+        );
+        for (i, s) in sections.iter().enumerate() {
+            println!("{}:", s.label);
+            let shovel_median = median(shovel[i].iter().map(Run::rate));
+            let bare_median = median(bare[i].iter().map(Run::rate));
+            for (name, runs) in [
+                ("shovel (on-confirm)", &shovel[i]),
+                ("bare client", &bare[i]),
+                ("dlq-replay Check", &check[i]),
+                ("dlq-replay Claim", &claim[i]),
+            ] {
+                cost_row(name, runs, shovel_median, bare_median);
             }
         }
         println!("  proc CPU/s: dlq-replay's (user+sys) CPU seconds per wall second (1.0 = one core busy); broker CPU/s: the same for the RabbitMQ node (beam.smp) of the section; other CPU/s: the machine's busy time (/proc/stat) less dlq-replay, that broker, Redis and this harness, floored at 0: other work on the machine, i.e. noise (approximate; another broker's idle load counts there); the machine has {} cores.", nproc());
@@ -1075,11 +1249,13 @@ impl Bench {
         let mut returned: Option<(Instant, Usage)> = None;
         let mut first_move: Option<(Instant, Usage)> = None;
         let mut moved_at_return = 0;
+        let (mut redis_returned, mut redis_first) = (None, None);
         let deadline = spawned + Duration::from_secs(60 + n as u64 / 200);
         let done = loop {
             if returned.is_none() {
                 if let Some(st) = child.try_wait().expect("rabbitmqctl wait") {
                     returned = Some((Instant::now(), self.cpu(s)));
+                    redis_returned = Some(redis_counters(&mut self.redis).await);
                     if !st.success() {
                         let mut err = String::new();
                         if let Some(mut e) = child.stderr.take() {
@@ -1096,6 +1272,7 @@ impl Bench {
             let now = Instant::now();
             if first_move.is_none() && (src < n as u32 || dst > 0) {
                 first_move = Some((now, self.cpu(s)));
+                redis_first = Some(redis_counters(&mut self.redis).await);
             }
             if src == 0 && dst as usize >= n && returned.is_some() {
                 break now;
@@ -1109,11 +1286,13 @@ impl Bench {
             tokio::time::sleep(Duration::from_millis(10)).await;
         };
         let usage1 = self.cpu(s);
+        let redis1 = redis_counters(&mut self.redis).await;
         let (returned, at_return) = returned.expect("returned");
-        let (start, usage0) = match first_move {
-            Some((m, u)) if m < returned => (m, u),
-            _ => (returned, at_return),
+        let ((start, usage0), redis0) = match (first_move, redis_first) {
+            (Some((m, u)), Some(r)) if m < returned => ((m, u), r),
+            _ => ((returned, at_return), redis_returned.unwrap_or_default()),
         };
+        let redis_info = redis_delta(&redis0, &redis1);
         let usage = usage1 - usage0;
         let wall = done.duration_since(start).as_secs_f64();
         let _ = self.brokers[s.broker]
@@ -1136,16 +1315,167 @@ impl Bench {
             cpu: None,
             usage,
             footprint: None,
+            replayed: n as u64,
+            redis_info,
+            allocs: None,
         };
         println!(
-            "  shovel run {rep}{}: {wall:.2}s, {:.0} msg/s (set_parameter CLI took {:.2}s, {moved_at_return} moved before it returned); broker {:.2} CPU/s; {}",
+            "  shovel run {rep}{}: {wall:.2}s, {:.0} msg/s (set_parameter CLI took {:.2}s, {moved_at_return} moved before it returned); broker {:.2} CPU/s; {}; {}",
             s.note(),
             run.rate(),
             returned.duration_since(spawned).as_secs_f64(),
             run.usage.broker / wall,
-            run.machine_text()
+            run.machine_text(),
+            run.cost_text()
         );
         run
+    }
+
+    /// The ceiling at a window: a bare lapin client in this process that consumes the DLQ
+    /// (prefetch = window) on one connection, publishes each message to a plain queue of the
+    /// same type with confirms on another, keeps at most `window` publishes unconfirmed, and
+    /// acks each original once its copy is confirmed. No Redis, no decisions: what the two
+    /// connections and the broker cost. Its CPU is this harness's over the run.
+    async fn bare(&mut self, s: &Section, rep: usize, n: usize, window: usize) -> Run {
+        use std::collections::VecDeque;
+        let prefix = self.prefix(&format!("{}bare{rep}", s.tag));
+        let topo = self.build_dlq(s, &prefix, n).await;
+        let dest = format!("{prefix}.dest");
+        let amqp = self.brokers[s.broker].amqp.clone();
+        let src_conn = engine::connect_amqp(&amqp, "bench bare source")
+            .await
+            .expect("connect");
+        let pub_conn = engine::connect_amqp(&amqp, "bench bare publisher")
+            .await
+            .expect("connect");
+        let src = src_conn.create_channel().await.expect("channel");
+        let publ = pub_conn.create_channel().await.expect("channel");
+        publ.queue_declare(
+            dest.as_str().into(),
+            QueueDeclareOptions::durable(),
+            topo.queue_args(),
+        )
+        .await
+        .expect("dest queue");
+        publ.confirm_select(ConfirmSelectOptions::default())
+            .await
+            .expect("confirms");
+        src.basic_qos(
+            window.min(u16::MAX as usize) as u16,
+            BasicQosOptions::default(),
+        )
+        .await
+        .expect("qos");
+        let redis0 = redis_counters(&mut self.redis).await;
+        let usage0 = self.cpu(s);
+        let own0 = proc_cpu_split(std::process::id());
+        let started = Instant::now();
+        let mut consumer = src
+            .basic_consume(
+                topo.dlq.as_str().into(),
+                "bench-bare".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("consume");
+        let mut inflight = VecDeque::new();
+        let (mut received, mut done, mut nacked) = (0usize, 0usize, 0usize);
+        while done < n {
+            if inflight.len() >= window || received == n {
+                let Some((tag, confirm)) = inflight.pop_front() else {
+                    break;
+                };
+                let confirm: lapin::PublisherConfirm = confirm;
+                match confirm.await {
+                    Ok(c) if c.is_ack() => {}
+                    _ => nacked += 1,
+                }
+                src.basic_ack(tag, lapin::options::BasicAckOptions::default())
+                    .await
+                    .expect("ack");
+                done += 1;
+                continue;
+            }
+            let Some(Ok(d)) = consumer.next().await else {
+                self.problems.push(format!("{prefix}: bare consumer ended"));
+                break;
+            };
+            let confirm = publ
+                .basic_publish(
+                    "".into(),
+                    dest.as_str().into(),
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..Default::default()
+                    },
+                    &d.data,
+                    d.properties.clone(),
+                )
+                .await
+                .expect("publish");
+            inflight.push_back((d.delivery_tag, confirm));
+            received += 1;
+        }
+        let wall = started.elapsed().as_secs_f64();
+        let own1 = proc_cpu_split(std::process::id());
+        let mut usage = self.cpu(s) - usage0;
+        let redis_info = redis_delta(&redis0, &redis_counters(&mut self.redis).await);
+        let cpu = (
+            (own1.0 - own0.0) / self.clk_tck,
+            (own1.1 - own0.1) / self.clk_tck,
+        );
+        // This harness is the measured process here, not a bystander.
+        usage.harness = 0.0;
+        let _ = src_conn.close(200, "ok".into()).await;
+        let _ = pub_conn.close(200, "ok".into()).await;
+        let ch = self.channel(s).await;
+        let dst = self.depth(&ch, &dest).await;
+        if dst as usize != n || nacked > 0 {
+            self.problems.push(format!(
+                "{prefix}: bare client: destination holds {dst}, expected {n}; {nacked} not confirmed"
+            ));
+        }
+        let _ = ch.close(200, "ok".into()).await;
+        self.drop_topology(s, &topo, &[&dest]).await;
+        let run = Run {
+            n,
+            wall,
+            rss_kib: None,
+            cpu: Some(cpu),
+            usage,
+            footprint: None,
+            replayed: n as u64,
+            redis_info,
+            allocs: None,
+        };
+        println!(
+            "  bare run {rep}{} (window {window}): {wall:.2}s, {:.0} msg/s; user {:.2}s sys {:.2}s; broker {:.2} CPU/s; {}; {}",
+            s.note(),
+            run.rate(),
+            cpu.0,
+            cpu.1,
+            run.usage.broker / wall,
+            run.machine_text(),
+            run.cost_text()
+        );
+        run
+    }
+
+    /// The window `dlq-replay run` gets (BENCH_RUN_ARGS' `--window`, else its default 32).
+    fn window(&self) -> usize {
+        let mut args = self.run_args.iter();
+        while let Some(a) = args.next() {
+            let v = match a.strip_prefix("--window") {
+                Some("") => args.next().map(String::as_str),
+                Some(rest) => rest.strip_prefix('='),
+                None => continue,
+            };
+            if let Some(w) = v.and_then(|v| v.parse().ok()) {
+                return w;
+            }
+        }
+        32
     }
 
     /// `dlq-replay run` on a fresh DLQ of `n`, 10 % of keys done; with `rate`, no keys done and
@@ -1191,7 +1521,17 @@ impl Bench {
             None => None,
         };
         let rss_file = self.tmp.path().join(format!("{scenario}.rss"));
-        let mut cmd = if self.time_rss {
+        // BENCH_WRAP: a command line the binary runs under (e.g. valgrind --tool=callgrind).
+        let wrap: Vec<String> = std::env::var("BENCH_WRAP")
+            .unwrap_or_default()
+            .split_whitespace()
+            .map(String::from)
+            .collect();
+        let mut cmd = if !wrap.is_empty() {
+            let mut c = tokio::process::Command::new(&wrap[0]);
+            c.args(&wrap[1..]).arg(&self.bin);
+            c
+        } else if self.time_rss {
             let mut c = tokio::process::Command::new("/usr/bin/time");
             c.arg("-f")
                 .arg("%M %U %S")
@@ -1220,6 +1560,7 @@ impl Bench {
         } else {
             None
         };
+        let redis0 = redis_counters(&mut self.redis).await;
         let usage0 = self.cpu(s);
         let started = Instant::now();
         let child = cmd.spawn().expect("spawn dlq-replay");
@@ -1241,6 +1582,7 @@ impl Bench {
         .expect("dlq-replay output");
         let wall = started.elapsed().as_secs_f64();
         let usage = self.cpu(s) - usage0;
+        let redis_info = redis_delta(&redis0, &redis_counters(&mut self.redis).await);
         // After the end (the process exited with its final status), before the cleanup below.
         let measured = match (sampler, keys, before) {
             (Some((stop, task)), Some(k), Some(before)) => {
@@ -1330,13 +1672,16 @@ impl Bench {
                 sampled,
                 after,
             }),
+            replayed,
+            redis_info,
+            allocs: parse_allocs(&out.stderr),
         };
         let cpu_text = run
             .cpu
             .map(|(u, s)| format!("user {u:.2}s sys {s:.2}s ({:.2} CPU/s)", (u + s) / wall))
             .unwrap_or_else(|| "cpu n/a".into());
         println!(
-            "  {scenario} ({mode}{}{}{}{}): {wall:.2}s, {:.0} msg/s, replayed {replayed}, duplicates {dups}, skipped {}, peak RSS {}, {cpu_text}; broker {:.2} CPU/s, Redis {:.2} CPU/s; {}",
+            "  {scenario} ({mode}{}{}{}{}): {wall:.2}s, {:.0} msg/s, replayed {replayed}, duplicates {dups}, skipped {}, peak RSS {}, {cpu_text}; broker {:.2} CPU/s, Redis {:.2} CPU/s; {}; {}",
             rate.map(|r| format!(", {r}/s")).unwrap_or_default(),
             match (extras.canary_wait, unrelated) {
                 (Some(w), Some(u)) => format!(", canary {w}s, {u} unrelated dead letters arrived"),
@@ -1355,7 +1700,8 @@ impl Bench {
             rss_text(run.rss_kib),
             run.usage.broker / wall,
             run.usage.redis / wall,
-            run.machine_text()
+            run.machine_text(),
+            run.cost_text()
         );
         (run, arrivals)
     }
@@ -1663,6 +2009,8 @@ async fn header(
         "BENCH_QUEUES",
         "BENCH_BROKERS",
         "BENCH_REDIS_N",
+        "BENCH_ROWS",
+        "BENCH_WRAP",
     ]
     .iter()
     .map(|k| {
@@ -1906,6 +2254,29 @@ fn table_row(name: &str, runs: &[Run], shovel_median: f64) {
     );
 }
 
+fn cost_row(name: &str, runs: &[Run], shovel_median: f64, bare_median: f64) {
+    let opt = |v: f64, prec: usize| {
+        if v.is_nan() {
+            "-".to_string()
+        } else {
+            format!("{v:.prec$}")
+        }
+    };
+    let rate = median(runs.iter().map(Run::rate));
+    println!(
+        "{:<19} {:>9} {:>9.1} {:>9.1} {:>9.2} {:>10} {:>10.0} {:>8.2}x {:>8.2}x",
+        name,
+        opt(median(runs.iter().filter_map(Run::own_us)), 1),
+        median(runs.iter().map(Run::broker_us)),
+        median(runs.iter().map(Run::redis_us)),
+        median(runs.iter().map(Run::redis_calls)),
+        opt(median(runs.iter().filter_map(Run::allocs_per)), 1),
+        rate,
+        rate / shovel_median,
+        rate / bare_median
+    );
+}
+
 fn rss_text(kib: Option<u64>) -> String {
     kib.map(|k| format!("{:.1} MiB", k as f64 / 1024.0))
         .unwrap_or_else(|| "n/a".into())
@@ -1978,6 +2349,21 @@ fn machine_cpu() -> (f64, f64) {
     let get = |i: usize| f.get(i).copied().unwrap_or(0.0);
     // user nice system idle iowait irq softirq steal (guest time is inside user already)
     (get(0) + get(1) + get(2) + get(5) + get(6) + get(7), get(4))
+}
+
+/// utime and stime of a process, in clock ticks.
+fn proc_cpu_split(pid: u32) -> (f64, f64) {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return (0.0, 0.0);
+    };
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let get = |i: usize| {
+        f.get(i - 3)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (get(14), get(15))
 }
 
 /// utime + stime of a process, in clock ticks.

@@ -74,11 +74,12 @@ impl<'a> Rules<'a> {
         }
     }
 
-    fn needs_json(&self) -> bool {
+    /// Whether a rule other than the key reads the body: only then is the whole body parsed
+    /// into a document; the key alone takes the values its pointers name ([`key::derive_body`]).
+    fn needs_document(&self) -> bool {
         !self.selector.payload.is_empty()
             || !self.poison.required_fields.is_empty()
             || !self.poison.json_fields.is_empty()
-            || self.key.is_some()
     }
 }
 
@@ -88,7 +89,7 @@ pub fn classify(rules: &Rules<'_>, props: &BasicProperties, body: &[u8]) -> Verd
         return Verdict::Skip(SkipReason::Returned);
     }
     // Parse once; `None` when the body is not JSON (which only matters to rules that need it).
-    let json: Option<Value> = if rules.needs_json() {
+    let json: Option<Value> = if rules.needs_document() {
         serde_json::from_slice(body).ok()
     } else {
         None
@@ -101,13 +102,17 @@ pub fn classify(rules: &Rules<'_>, props: &BasicProperties, body: &[u8]) -> Verd
     if let Some(reason) = poison(rules, props, &deaths, body, json.as_ref()) {
         return Verdict::Poison(reason);
     }
-    let key = match (rules.key, &json) {
+    let derived = match (rules.key, &json) {
         (None, _) => None,
-        (Some(_), None) => return Verdict::Poison(not_json(body)),
-        (Some(spec), Some(v)) => match key::derive(spec, v) {
-            Ok(k) => Some(k),
-            Err(e) => return Verdict::Poison(e.to_string()),
-        },
+        (Some(spec), None) if !rules.needs_document() => Some(key::derive_body(spec, body)),
+        (Some(_), None) => Some(None),
+        (Some(spec), Some(v)) => Some(Some(key::derive(spec, v))),
+    };
+    let key = match derived {
+        None => None,
+        Some(None) => return Verdict::Poison(not_json(body)),
+        Some(Some(Ok(k))) => Some(k),
+        Some(Some(Err(e))) => return Verdict::Poison(e.to_string()),
     };
     match destination(rules.target, deaths.first()) {
         Some(destination) => Verdict::Replay { key, destination },
@@ -249,7 +254,7 @@ pub fn signature(signature_header: &str, props: &BasicProperties) -> String {
     if let Some(v) = message::header_text(props, signature_header) {
         return format!("{signature_header}={}", shortened(&v));
     }
-    match message::deaths(props).into_iter().next() {
+    match message::first_death(props) {
         Some(d) => format!("{}@{}", d.reason, d.queue),
         None => "no-death".into(),
     }

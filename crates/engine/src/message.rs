@@ -87,6 +87,19 @@ pub fn deaths(props: &BasicProperties) -> Vec<Death> {
         .collect()
 }
 
+/// The most recent `x-death` entry (the first readable one), without reading the others.
+pub fn first_death(props: &BasicProperties) -> Option<Death> {
+    let Some(AMQPValue::FieldArray(entries)) =
+        headers(props).and_then(|h| h.inner().get("x-death"))
+    else {
+        return None;
+    };
+    entries.as_slice().iter().find_map(|e| match e {
+        AMQPValue::FieldTable(t) => Some(death(t)),
+        _ => None,
+    })
+}
+
 fn death(t: &FieldTable) -> Death {
     let text = |k: &str| t.inner().get(k).and_then(value_text).unwrap_or_default();
     let routing_keys = match t.inner().get("routing-keys") {
@@ -180,6 +193,14 @@ mod tests {
         assert_eq!(d[0].queue, "work");
         assert_eq!(d[0].routing_keys, vec!["job.run".to_string()]);
         assert_eq!(death_count(&p), 5);
+    }
+
+    #[test]
+    fn the_first_death_is_that_of_deaths() {
+        let p = with_death(AMQPValue::LongLongInt(3));
+        assert_eq!(first_death(&p), deaths(&p).into_iter().next());
+        let none = BasicProperties::default();
+        assert_eq!(first_death(&none), None);
     }
 
     #[test]

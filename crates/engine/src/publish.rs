@@ -47,7 +47,7 @@ pub fn replay_properties(
     if let Some(k) = key {
         headers.insert(IDEMPOTENCY_KEY.into(), long(k));
     }
-    assertable(props.clone(), &mut headers, user).with_headers(headers)
+    assertable(without_headers(props), &mut headers, user).with_headers(headers)
 }
 
 /// Properties of a quarantined message: every header kept, the reason and replay id added.
@@ -60,7 +60,25 @@ pub fn quarantine_properties(
     let mut headers = props.headers().clone().unwrap_or_default();
     headers.insert(QUARANTINE_REASON.into(), long(reason));
     headers.insert(REPLAY_ID.into(), long(replay_id));
-    assertable(props.clone(), &mut headers, user).with_headers(headers)
+    assertable(without_headers(props), &mut headers, user).with_headers(headers)
+}
+
+/// Every property but the headers: the caller sets its own, so the original table (with its
+/// `x-death` entries) is not deep-copied only to be replaced.
+fn without_headers(p: &BasicProperties) -> BasicProperties {
+    let mut out = BasicProperties::default();
+    macro_rules! copy {
+        ($($get:ident => $set:ident),*) => {$(
+            if let Some(v) = p.$get().clone() { out = out.$set(v); }
+        )*};
+    }
+    copy!(content_type => with_content_type, content_encoding => with_content_encoding,
+        delivery_mode => with_delivery_mode, priority => with_priority,
+        correlation_id => with_correlation_id, reply_to => with_reply_to,
+        expiration => with_expiration, message_id => with_message_id,
+        timestamp => with_timestamp, kind => with_type, user_id => with_user_id,
+        app_id => with_app_id, cluster_id => with_cluster_id);
+    out
 }
 
 fn long(s: &str) -> AMQPValue {
@@ -265,6 +283,24 @@ mod tests {
         assert_eq!(h.inner()[REPLAY_COUNT], AMQPValue::LongLongInt(3));
         assert_eq!(p.message_id().as_ref().map(|m| m.as_str()), Some("m1"));
         assert_eq!(p.user_id(), &None);
+    }
+
+    #[test]
+    fn without_headers_keeps_every_other_property() {
+        let p = props()
+            .with_content_type("application/json".into())
+            .with_content_encoding("gzip".into())
+            .with_delivery_mode(2)
+            .with_priority(3)
+            .with_correlation_id("c".into())
+            .with_reply_to("r".into())
+            .with_expiration("60000".into())
+            .with_timestamp(7)
+            .with_type("t".into())
+            .with_app_id("a".into())
+            .with_cluster_id("cl".into());
+        let h = p.headers().clone().unwrap();
+        assert_eq!(without_headers(&p).with_headers(h), p);
     }
 
     #[test]

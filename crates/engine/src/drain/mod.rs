@@ -405,7 +405,8 @@ impl<'a> Drain<'a> {
         items: Vec<Item>,
         deliveries: Vec<Delivery>,
     ) -> (Result<(), Error>, Result<Flight, (Option<Flight>, Error)>) {
-        let record = self.record(&items);
+        let mut items = items;
+        let record = self.record(&mut items);
         let next = self.classify(deliveries);
         let mut keeper = self.keeper.take();
         let (moves, (answer, admitted)) = tokio::join!(

@@ -91,7 +91,8 @@ impl Drain<'_> {
     /// originals once their copies are confirmed, see [`Drain::pend`]).
     pub(super) async fn settle(&mut self, items: Vec<Item>) -> Result<(), Error> {
         let moves = keep_moves(self.keeper.as_mut(), &items).await;
-        let record = self.record(&items);
+        let mut items = items;
+        let record = self.record(&mut items);
         let moved = moves.map(|m| self.pend(&items, m));
         let answer = record.commit(&mut self.store).await;
         // A failed move leaves its messages unacked; the rest is recorded and acked.
@@ -160,7 +161,9 @@ impl Drain<'_> {
     }
 
     /// What a step's landing writes and acks, from its items' outcomes.
-    pub(super) fn record(&mut self, items: &[Item]) -> Record {
+    /// The items' identities, fingerprints, signatures and keys move into the rows (a
+    /// landing needs no more of them than their acts, digests and deliveries).
+    pub(super) fn record(&mut self, items: &mut [Item]) -> Record {
         let mut rows = Vec::new();
         let mut settled = Vec::new();
         let mut claims = Vec::new();
@@ -175,7 +178,7 @@ impl Drain<'_> {
         let claiming = self.claiming();
         // Kept messages (skipped, failed) are acked by their moves ([`Record::moved`]), never
         // here.
-        for item in items {
+        for item in items.iter_mut() {
             let (decision, reason, destination) = match &item.act {
                 Act::AlreadySettled => {
                     acks.push(item.delivery.delivery_tag);
@@ -253,7 +256,10 @@ impl Drain<'_> {
             delta.scanned += 1;
             if decision != Decision::Failed {
                 if !matches!(item.act, Act::Leftover) {
-                    settled.push((item.fingerprint.clone(), decision.as_str().to_string()));
+                    settled.push((
+                        std::mem::take(&mut item.fingerprint),
+                        decision.as_str().to_string(),
+                    ));
                 }
                 if decision == Decision::Replayed {
                     if let Some(k) = &item.key {
@@ -265,14 +271,14 @@ impl Drain<'_> {
             rows.push(AuditRow {
                 id: String::new(),
                 replay: self.replay_id.clone(),
-                message: item.identity.clone(),
+                message: std::mem::take(&mut item.identity),
                 decision: decision.as_str().into(),
-                key: item.key.clone().unwrap_or_default(),
+                key: item.key.take().unwrap_or_default(),
                 reason,
                 destination,
                 canary: false,
                 time: time.clone(),
-                signature: item.signature.clone(),
+                signature: std::mem::take(&mut item.signature),
             });
         }
         acks.sort_unstable();

@@ -14,8 +14,9 @@ use crate::Error;
 /// and then the `key:` marks (each count first, field and value each); the ended claims (count
 /// first, then per claim its value and the value it takes once published, or "" to release it);
 /// the count deltas (count first, field and increment each). Ended claims are compare-and-set or
-/// compare-and-delete, so a batch ends only its own claims. `key:` marks are HSETNX, and those
-/// that existed already are counted. The commit id kept in the state hash makes a retry of a
+/// compare-and-delete, so a batch ends only its own claims. `key:` marks are set where none
+/// exists (as HSETNX one by one would), and those that existed already are counted. Each group
+/// is one variadic command (HSET, HMGET, MGET, DEL), not one per message. The commit id kept in the state hash makes a retry of a
 /// commit that did go through (its answer was lost) change nothing. Returns the audit rows so
 /// far: the stream's length, or (rows in the log) the state's `records` count.
 const COMMIT: &str = r#"
@@ -51,21 +52,76 @@ for _ = 1, nfields > 0 and nrows or 0 do
   end
   redis.call(unpack(xadd))
 end
-for _ = 1, tonumber(take()) do
-  redis.call('HSET', settled, take(), take())
+-- A variadic command per group (in chunks, for unpack), not one call per message.
+local function chunked(cmd, key, list)
+  for from = 1, #list, 1000 do
+    local args = {cmd, key}
+    for j = from, math.min(from + 999, #list) do args[#args + 1] = list[j] end
+    redis.call(unpack(args))
+  end
 end
+local marks = {}
+for _ = 1, tonumber(take()) do
+  marks[#marks + 1] = take()
+  marks[#marks + 1] = take()
+end
+chunked('HSET', settled, marks)
+-- `key:` marks are set only where none exists (the first message of the batch to publish a
+-- key keeps it); those that existed already, or came twice in the batch, are counted.
 local again = 0
-for _ = 1, tonumber(take()) do
-  again = again + (1 - redis.call('HSETNX', settled, take(), take()))
-end
-for k = 1, tonumber(take()) do
-  local key, value, confirmed = KEYS[4 + k], take(), take()
-  if redis.call('GET', key) == value then
-    if confirmed == '' then
-      redis.call('DEL', key)
+local nkeys = tonumber(take())
+if nkeys > 0 then
+  local fields, values = {}, {}
+  for k = 1, nkeys do
+    fields[k] = take()
+    values[k] = take()
+  end
+  local had = {}
+  for from = 1, nkeys, 1000 do
+    local args = {'HMGET', settled}
+    for j = from, math.min(from + 999, nkeys) do args[#args + 1] = fields[j] end
+    local got = redis.call(unpack(args))
+    for j = from, math.min(from + 999, nkeys) do had[j] = got[j - from + 1] end
+  end
+  local new, seen = {}, {}
+  for k = 1, nkeys do
+    if had[k] or seen[fields[k]] then
+      again = again + 1
     else
-      redis.call('SET', key, confirmed, 'KEEPTTL')
+      seen[fields[k]] = true
+      new[#new + 1] = fields[k]
+      new[#new + 1] = values[k]
     end
+  end
+  chunked('HSET', settled, new)
+end
+-- Ended claims: one MGET for all, then each of ours set (published) or deleted (released).
+local nclaims = tonumber(take())
+if nclaims > 0 then
+  -- The value each key holds as the claims are ended one after the other (a key ended twice
+  -- sees what the first end left).
+  local now = {}
+  for from = 1, nclaims, 1000 do
+    local args = {'MGET'}
+    for j = from, math.min(from + 999, nclaims) do args[#args + 1] = KEYS[4 + j] end
+    local got = redis.call(unpack(args))
+    for j = from, math.min(from + 999, nclaims) do now[KEYS[4 + j]] = got[j - from + 1] end
+  end
+  local released = {}
+  for k = 1, nclaims do
+    local key, value, confirmed = KEYS[4 + k], take(), take()
+    if now[key] == value then
+      if confirmed == '' then
+        released[#released + 1] = key
+        now[key] = false
+      else
+        redis.call('SET', key, confirmed, 'KEEPTTL')
+        now[key] = confirmed
+      end
+    end
+  end
+  for from = 1, #released, 1000 do
+    redis.call('DEL', unpack(released, from, math.min(from + 999, #released)))
   end
 end
 for _ = 1, tonumber(take()) do

@@ -90,39 +90,51 @@ impl Store {
             // A message without key asks for its fingerprint twice; the answer is ignored.
             hm.arg(*fp).arg(key_field.unwrap_or(fp));
         }
-        for key in keys.iter().flatten() {
-            match claim {
-                Some((value, ttl)) => {
-                    p.cmd("SET")
-                        .arg(key)
-                        .arg(value)
-                        .arg("NX")
-                        .arg("EX")
-                        .arg(ttl);
-                    p.cmd("GET").arg(key);
-                }
-                None => {
-                    p.cmd("GET").arg(key);
-                }
+        // Claims first (one SET NX each), then every key's value in one MGET.
+        let asked: Vec<&str> = keys.iter().flatten().copied().collect();
+        if let Some((value, ttl)) = claim {
+            for key in &asked {
+                p.cmd("SET")
+                    .arg(*key)
+                    .arg(value)
+                    .arg("NX")
+                    .arg("EX")
+                    .arg(ttl);
             }
+        }
+        if !asked.is_empty() {
+            p.cmd("MGET").arg(&asked);
         }
         let values: Vec<Value> = p.query_async(&mut self.con).await?;
         let mut it = values.into_iter();
         let settled: Vec<Option<String>> =
             redis::from_redis_value(it.next().unwrap_or(Value::Nil))?;
+        let claimed: Vec<bool> = match claim {
+            Some(_) => (&mut it)
+                .take(asked.len())
+                .map(|v| matches!(v, Value::Okay | Value::SimpleString(_)))
+                .collect(),
+            None => Vec::new(),
+        };
+        let mut current: Vec<Option<String>> = if asked.is_empty() {
+            Vec::new()
+        } else {
+            redis::from_redis_value(it.next().unwrap_or(Value::Nil))?
+        };
+        let mut settled = settled.into_iter();
+        let mut next_key = 0;
         let mut out = Vec::with_capacity(fields.len());
         for (i, key) in keys.iter().enumerate() {
+            let (fp, key_mark) = (settled.next().flatten(), settled.next().flatten());
             let mut l = Lookup {
-                settled: settled.get(2 * i).cloned().flatten(),
-                key_replayed: fields[i].1.and(settled.get(2 * i + 1).cloned().flatten()),
+                settled: fp,
+                key_replayed: fields[i].1.and(key_mark),
                 ..Default::default()
             };
             if key.is_some() {
-                if claim.is_some() {
-                    l.claimed =
-                        matches!(it.next(), Some(Value::Okay) | Some(Value::SimpleString(_)));
-                }
-                l.value = redis::from_redis_value(it.next().unwrap_or(Value::Nil))?;
+                l.claimed = claimed.get(next_key).copied().unwrap_or(false);
+                l.value = current.get_mut(next_key).and_then(Option::take);
+                next_key += 1;
             }
             out.push(l);
         }
