@@ -1,7 +1,7 @@
 //! The real kube-runtime Controller, with the real RabbitMQ and Redis, through whole lifecycles.
 //!
 //! Every scenario is written once against [`Cluster`] and runs twice: `fake::NAME` against the
-//! in-process fake API server (`tests/support/fake_api.rs`), and `e2e::NAME` against a real
+//! in-process fake API server (`crates/testkit/src/fake_api.rs`), and `e2e::NAME` against a real
 //! cluster when `E2E=1` and `KUBECONFIG` are set (a fresh namespace per test, the CRD from
 //! `crds/dlqreplay.yaml` applied first, the namespace deleted after). Without them the `e2e::*`
 //! tests print `SKIPPED: E2E=1 and KUBECONFIG not set` and do nothing else. The operator always
@@ -9,18 +9,16 @@
 //! and Redis, whose URLs the Secrets hold. The fake gets a fresh namespace per test as well, and
 //! on both the engine's Redis state of the test's namespace is deleted after the test.
 
-mod support;
-
 use std::panic::AssertUnwindSafe;
 use std::time::{Duration, Instant};
 
 use dlq_replay::api::{DlqReplay, Phase};
 use dlq_replay::controller::{self, Settings};
+use dlq_replay_testkit::cluster::Cluster;
+use dlq_replay_testkit::world::*;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::ResourceExt;
 use serde_json::{json, Value};
-use support::cluster::Cluster;
-use support::*;
 
 fn resource(w: &World, ns: &str, name: &str, extra: &str) -> DlqReplay {
     let text = format!(
@@ -271,7 +269,7 @@ async fn an_evicting_redis_keeps_it_pending_until_its_policy_changes(c: &Cluster
     let w = World::new("ctl-evict").await;
     w.dead_letter((0..5).map(|i| job(&format!("v{i}"), json!({}))).collect())
         .await;
-    let redis = support::faults::OwnRedis::start_with(&[
+    let redis = dlq_replay_testkit::faults::OwnRedis::start_with(&[
         "--maxmemory",
         "64mb",
         "--maxmemory-policy",

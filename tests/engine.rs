@@ -1,16 +1,14 @@
 //! The replay engine against the real RabbitMQ and Redis: decisions, invariants, headers.
 
-mod support;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
 use dlq_replay::api::Phase;
 use dlq_replay::fixture::Topology;
+use dlq_replay_testkit::world::*;
 use lapin::types::{AMQPValue, ByteArray, DecimalValue, FieldArray, FieldTable, LongString};
 use lapin::BasicProperties;
 use serde_json::json;
-use support::*;
 
 matrix!(check_mode_decides_every_message_and_keeps_the_invariants);
 async fn check_mode_decides_every_message_and_keeps_the_invariants(t: Target) {
@@ -668,4 +666,35 @@ async fn skipped_messages_stay_byte_for_byte_through_25_replays(t: Target) {
         assert_eq!(a, b, "on {t}: {} changed", a.id);
     }
     w.cleanup().await;
+}
+
+// No broker and no Redis: the test kit resolves a world's manifest as `dlq-replay run -f` does
+// with `REDIS_URL` set (`cli::resolve`, which the kit cannot call: the binary depends on the kit).
+#[test]
+fn the_test_kit_resolves_a_manifest_as_the_command_line_does() {
+    let text = "apiVersion: replay.dlq.dev/v1alpha1\nkind: DlqReplay\nmetadata: {name: kit, namespace: tests}\nspec:\n  broker: {url: \"amqp://guest:guest@127.0.0.1:5672/%2f\"}\n  source: {queue: kit.dlq}\n  quarantine: {queue: kit.quarantine}\n  idempotency: {mode: Claim, key: {fields: [{pointer: /id}], prefix: \"kit:\"}}\n";
+    let resource = dlq_replay::manifest::parse(text).expect("manifest");
+    let endpoints = dlq_replay::cli::Endpoints {
+        amqp_url: None,
+        redis_url: Some(REDIS.into()),
+    };
+    let cli = dlq_replay::cli::resolve(&resource, &endpoints).expect("cli::resolve");
+    let kit = resolve(&resource, REDIS);
+    assert_eq!(
+        (
+            &kit.namespace,
+            &kit.name,
+            &kit.amqp_url,
+            &kit.redis_url,
+            &kit.uid
+        ),
+        (
+            &cli.namespace,
+            &cli.name,
+            &cli.amqp_url,
+            &cli.redis_url,
+            &cli.uid
+        )
+    );
+    assert_eq!(format!("{:?}", kit.spec), format!("{:?}", cli.spec));
 }

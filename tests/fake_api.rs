@@ -1,4 +1,4 @@
-//! Conformance of the fake API server (`tests/support/fake_api.rs`) with a real one.
+//! Conformance of the fake API server (`crates/testkit/src/fake_api.rs`) with a real one.
 //!
 //! Every check runs twice: `fake::NAME` against the in-process fake, and `e2e::NAME` against a
 //! real cluster when `E2E=1` and `KUBECONFIG` are set (a fresh namespace per test, the CRD from
@@ -15,14 +15,14 @@
 //! `canary.waitSeconds: 0`, both `url` and `urlSecretRef`, ...), with 422 `Invalid` and a cause
 //! naming the field.
 
-mod support;
-
 use std::io::Write as _;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
 
 use dlq_replay::api::{DlqReplay, DlqReplayStatus, Phase, ReplayStatus};
+use dlq_replay_testkit::cluster::e2e_namespace;
+use dlq_replay_testkit::fake_api::FakeApi;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ObjectReference, Secret};
@@ -33,8 +33,6 @@ use kube::api::{
 use kube::runtime::{finalizer, watcher};
 use kube::{Client, Resource, ResourceExt};
 use serde_json::{json, Value};
-use support::cluster::e2e_namespace;
-use support::fake_api::FakeApi;
 
 const MANAGER: &str = "dlq-replay-conformance";
 const FINALIZER: &str = "replay.dlq.dev/conformance";
@@ -95,7 +93,7 @@ impl Env {
     /// namespace.
     async fn cleanup(&self) {
         if self.fake.is_none() {
-            support::cluster::delete_namespace(&self.client, &self.ns).await;
+            dlq_replay_testkit::cluster::delete_namespace(&self.client, &self.ns).await;
         }
     }
 }
@@ -1711,8 +1709,8 @@ mod fake_only {
     /// again, and the cross-field rule of the changed spec node refuses it.
     #[tokio::test]
     async fn an_upgraded_crd_ratchets_what_an_older_one_admitted() {
+        use dlq_replay_testkit::fake_api::{committed_crd, crd_before_the_rules};
         use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-        use support::fake_api::{committed_crd, crd_before_the_rules};
         let fake = FakeApi::start().await;
         let crds: Api<CustomResourceDefinition> = Api::all(fake.client());
         let name = committed_crd().metadata.name.unwrap();

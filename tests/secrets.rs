@@ -8,8 +8,6 @@
 //! `&[u8]` (how lapin would log a SASL PLAIN response), and, for Secrets, as the base64 of the
 //! URL that holds it.
 
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
 use std::sync::{Arc, Mutex};
@@ -17,12 +15,12 @@ use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use dlq_replay::api::DlqReplay;
+use dlq_replay_testkit::cluster::Cluster;
+use dlq_replay_testkit::world::*;
 use futures::StreamExt as _;
 use kube::api::{Api, PostParams};
 use kube::runtime::watcher;
 use serde_json::{json, Value};
-use support::cluster::Cluster;
-use support::*;
 
 fn bin() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_dlq-replay"))

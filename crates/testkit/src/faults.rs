@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use dlq_replay::api::{Phase, ReplayStatus};
-use dlq_replay::engine::{self, store, Options, Replay};
+use dlq_replay_api::{Phase, ReplayStatus};
+use dlq_replay_engine::{self as engine, store, Options, Replay};
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::ExchangeKind;
@@ -20,7 +20,7 @@ use rand::{Rng, SeedableRng};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use super::*;
+use crate::world::*;
 
 /// One row of the table.
 #[derive(Debug, Clone)]
@@ -193,7 +193,7 @@ pub async fn until_depth(w: &World, queue: &str, count: usize, give_up: Duration
     false
 }
 
-fn write_manifest(dir: &Path, resource: &dlq_replay::api::DlqReplay) -> PathBuf {
+fn write_manifest(dir: &Path, resource: &dlq_replay_api::DlqReplay) -> PathBuf {
     let file = dir.join("replay.yaml");
     std::fs::write(&file, serde_yaml::to_string(resource).unwrap()).unwrap();
     file
@@ -725,7 +725,7 @@ async fn dlq_total(w: &World, queue: &str) -> Option<u64> {
 
 /// Ready messages of `queue` (a passive declare), `None` when it cannot be asked.
 async fn fixture_depth(w: &World, queue: &str) -> Option<u32> {
-    dlq_replay::fixture::depth(&w.ch, queue).await.ok()
+    crate::fixture::depth(&w.ch, queue).await.ok()
 }
 
 /// Fault 3a: Redis stops answering (`CLIENT PAUSE ALL`) for `pause` mid-drain. While it is
@@ -800,11 +800,11 @@ pub async fn redis_pause(
 
 /// Redis calls asked again after a lost answer, so far in this process.
 fn redis_retries() -> u64 {
-    let m = dlq_replay::metrics::Metrics::global();
+    let m = dlq_replay_operator::metrics::Metrics::global();
     ["redis_lookup", "redis_commit"]
         .map(|of| {
             m.retries
-                .get_or_create(&dlq_replay::metrics::RetryLabel { of: of.into() })
+                .get_or_create(&dlq_replay_operator::metrics::RetryLabel { of: of.into() })
                 .get()
         })
         .iter()
@@ -875,7 +875,7 @@ pub async fn exchange_deleted(w: &World, mode: &'static str, n: usize, rate: u32
     let target = format!(
         "  target: {{exchange: \"{}\", routingKey: {}}}\n",
         w.topo.exchange,
-        dlq_replay::fixture::ROUTING_KEY
+        crate::fixture::ROUTING_KEY
     );
     let resource = w.manifest(&format!(
         "{}{target}  rate: {{messagesPerSecond: {rate}}}\n",
@@ -920,7 +920,7 @@ pub async fn exchange_deleted(w: &World, mode: &'static str, n: usize, rate: u32
     w.ch.queue_bind(
         w.topo.work.as_str().into(),
         w.topo.exchange.as_str().into(),
-        dlq_replay::fixture::ROUTING_KEY.into(),
+        crate::fixture::ROUTING_KEY.into(),
         QueueBindOptions::default(),
         FieldTable::default(),
     )

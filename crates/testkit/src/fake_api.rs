@@ -22,12 +22,11 @@
 //! kube-apiserver, a schema error of the kinds that block the CEL rules (a wrong type, a missing
 //! required field, a value outside the enum, too long, too many) skips them and adds a cause with
 //! field `<nil>` ("some validation rules were not checked because the object was invalid"). The
-//! checking itself is `dlq_replay::manifest::structural` (jsonschema and kube-cel).
+//! checking itself is `dlq_replay_validate::structural` (jsonschema and kube-cel).
 //!
 //! What it does not model: authentication, admission webhooks, validation of built-in kinds,
 //! garbage collection of owned objects, namespace lifecycle, managedFields and real
 //! server-side-apply field ownership.
-#![allow(dead_code)]
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::convert::Infallible;
@@ -37,7 +36,7 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use bytes::Bytes;
-use dlq_replay::manifest::structural::{CrdSchema, Violation, BLOCKING};
+use dlq_replay_validate::structural::{CrdSchema, Violation, BLOCKING};
 use http_body_util::{combinators::UnsyncBoxBody, BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
@@ -106,7 +105,7 @@ impl Kind {
 
     /// Checked against its CRD's structural schema: the `DlqReplay`.
     fn has_schema(&self) -> bool {
-        self.group == dlq_replay::api::GROUP && self.plural == "dlqreplays"
+        self.group == dlq_replay_api::GROUP && self.plural == "dlqreplays"
     }
 
     /// The name of the CRD that serves this kind, `dlqreplays.replay.dlq.dev`.
@@ -116,7 +115,7 @@ impl Kind {
 }
 
 /// The committed CRD, what a cluster gets from `kubectl apply -f crds/`.
-const COMMITTED_CRD: &str = include_str!("../../crds/dlqreplay.yaml");
+const COMMITTED_CRD: &str = include_str!("../../../crds/dlqreplay.yaml");
 
 /// The committed CRD (`crds/dlqreplay.yaml`).
 pub fn committed_crd() -> CustomResourceDefinition {
