@@ -2,7 +2,7 @@
 //! table: fault, mode, runs, messages, lost (must be 0), keys published twice (must be 0 in
 //! Claim mode). Exits 1 when an invariant broke.
 //!
-//! The scenarios are the ones `tests/faults.rs` runs at CI sizes (tests/support/faults.rs);
+//! The scenarios are the ones `tests/faults.rs` runs at CI sizes (crates/testkit/src/faults.rs);
 //! here they also include the broker restart (`rabbitmqctl stop_app` for 10 s), which would
 //! break any other test running against the same broker: run it on a quiet machine.
 //!
@@ -14,14 +14,11 @@
 //! `quorum_3_10`, `classic_4_x` or `quorum_4_x`; RabbitMQ 4 from `.ci/rabbitmq4`),
 //! `DLQ_REPLAY_BIN` (default: `dlq-replay` next to this example's directory).
 
-#[path = "../tests/support/mod.rs"]
-mod support;
-
 use std::path::PathBuf;
 use std::time::Duration;
 
-use support::faults::{self, Tally};
-use support::{Target, World};
+use dlq_replay_testkit::faults::{self, Tally};
+use dlq_replay_testkit::world::{Target, World};
 
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)

@@ -2,13 +2,11 @@
 //! `user-id` of another user. Each is replayed byte-identical or quarantined with a reason;
 //! none is lost. (Bodies of every kind and every header value type: tests/engine.rs.)
 
-mod support;
-
+use dlq_replay_testkit::world::*;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString};
 use lapin::BasicProperties;
 use serde_json::json;
-use support::*;
 
 fn text(s: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(s))

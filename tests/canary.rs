@@ -1,17 +1,15 @@
 //! The canary phase with real consumers on the work queue.
 
-mod support;
-
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use dlq_replay::api::{CanaryResult, Phase, ReplayStatus};
 use dlq_replay::engine::{self, message, Options};
+use dlq_replay_testkit::world::*;
 use futures::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicRejectOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use serde_json::json;
-use support::*;
 use tokio_util::sync::CancellationToken;
 
 /// A worker on the work queue: fails (rejects into the DLQ) the exception types in `fail`,

@@ -1,20 +1,18 @@
 //! Faults that fit in CI's time, at small sizes: the scenarios of `make faults`
-//! (tests/support/faults.rs). Each asserts the invariants message by message (nothing lost, no
+//! (crates/testkit/src/faults.rs). Each asserts the invariants message by message (nothing lost, no
 //! key twice in Claim mode, counts and audit consistent) plus what is particular to its fault.
 //! The broker restart (`rabbitmqctl stop_app`) is in `make faults` only: it would break every
 //! other test running against the same broker.
 //!
 //! Each scenario runs over the matrix (RabbitMQ 3.10 and 4.x × classic and quorum queues; see
-//! tests/support/mod.rs), the Redis faults on two cases only: what they break is Redis, not the
+//! crates/testkit/src/world), the Redis faults on two cases only: what they break is Redis, not the
 //! broker, so RabbitMQ 3.10 classic and 4.x quorum cover both brokers and both queue types.
-
-mod support;
 
 use std::path::Path;
 use std::time::Duration;
 
-use support::faults::{self, Tally};
-use support::*;
+use dlq_replay_testkit::faults::{self, Tally};
+use dlq_replay_testkit::world::*;
 
 const SEED: u64 = 20261202;
 

@@ -3,13 +3,11 @@
 //! that refuses a Redis whose eviction could take the workers' done marks. Against the real
 //! RabbitMQ and Redis, and Redis servers of the tests' own for the eviction policies.
 
-mod support;
-
 use dlq_replay::api::{AuditSink, DlqReplay, Phase};
 use dlq_replay::engine::{self, store};
+use dlq_replay_testkit::faults::OwnRedis;
+use dlq_replay_testkit::world::*;
 use serde_json::json;
-use support::faults::OwnRedis;
-use support::*;
 use tokio_util::sync::CancellationToken;
 
 /// Every Redis key of a world's replay (state, audit, dictionary, settled marks), sorted.

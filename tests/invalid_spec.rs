@@ -7,16 +7,14 @@
 //! Runs against the in-process fake API server only: making a real one admit an invalid replay
 //! means installing an older CRD, which would disturb every other test of that cluster.
 
-mod support;
-
 use std::time::Duration;
 
 use dlq_replay::api::{DlqReplay, Phase};
 use dlq_replay::controller::{self, Settings};
+use dlq_replay_testkit::fake_api::{committed_crd, crd_before_the_rules, FakeApi};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams, PostParams};
 use serde_json::json;
-use support::fake_api::{committed_crd, crd_before_the_rules, FakeApi};
 
 const NS: &str = "media";
 

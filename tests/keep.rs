@@ -3,12 +3,11 @@
 //! count grows, no prefetch or consumer timeout caps a pass, and a copy a crash left twice is
 //! dropped once.
 
-mod support;
-
 use std::time::Duration;
 
 use dlq_replay::api::Phase;
 use dlq_replay::engine::keep;
+use dlq_replay_testkit::world::*;
 use futures::StreamExt;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
@@ -17,7 +16,6 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::BasicProperties;
 use serde_json::json;
-use support::*;
 
 /// Publish `n` messages straight into the DLQ (as dead letters that arrived through the default
 /// exchange), confirmed; `daily(i)` says which carry `"show": "daily"`.
@@ -220,7 +218,9 @@ async fn a_copy_a_crash_left_twice_is_dropped_once_by_the_next_traversal(t: Targ
     )
     .await
     .unwrap();
-    assert!(support::faults::until_depth(&w, &w.topo.dlq, 7, Duration::from_secs(5)).await);
+    assert!(
+        dlq_replay_testkit::faults::until_depth(&w, &w.topo.dlq, 7, Duration::from_secs(5)).await
+    );
     let report = dlq_replay::engine::plan::plan(&w.replay(&w.manifest("")))
         .await
         .expect("plan");

@@ -6,15 +6,13 @@
 //! Chromium is Debian's `chromium` (`/usr/bin/chromium`, or `CHROMIUM=path`). Without it the
 //! browser part prints SKIPPED, unless `REQUIRE_CHROMIUM=1` (CI, `.ci/run`), which fails.
 
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use dlq_replay::api::{CanaryResult, Phase};
+use dlq_replay_testkit::world::*;
 use serde_json::json;
-use support::*;
 
 const BIN: &str = env!("CARGO_BIN_EXE_dlq-replay");
 const EVIL: &str = "<script>document.title='owned'</script>";

@@ -4,14 +4,12 @@
 //! The binary runs against the local RabbitMQ and Redis. (The operator's side, the
 //! `replay.dlq.dev/retry` annotation, is in `tests/controller.rs`.)
 
-mod support;
-
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use dlq_replay::api::{CanaryResult, DlqReplay, Phase};
+use dlq_replay_testkit::world::*;
 use serde_json::json;
-use support::*;
 
 /// `dlq-replay run -f MANIFEST --redis-url REDIS --no-progress ARGS`: exit code, the printed
 /// resource (when one was printed) and stderr. Awaited, so that the test's worker keeps working

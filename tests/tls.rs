@@ -4,15 +4,13 @@
 //! CA given by `SSL_CERT_FILE`; without it the certificate is untrusted and the run fails with
 //! an error that says so (and does not repeat the URL's password).
 
-mod support;
-
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use dlq_replay_testkit::world::*;
 use serde_json::json;
-use support::*;
 
 fn bin() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_dlq-replay"))

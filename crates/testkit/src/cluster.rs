@@ -11,7 +11,7 @@ use std::io::Write as _;
 use std::path::Path;
 use std::time::Duration;
 
-use dlq_replay::api::DlqReplay;
+use dlq_replay_api::DlqReplay;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Namespace, Secret};
 use k8s_openapi::api::events::v1::Event;
@@ -22,7 +22,7 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::{json, Value};
 
-use super::fake_api::FakeApi;
+use crate::fake_api::FakeApi;
 
 /// What an `e2e::*` test prints (to stderr) when it has no cluster to run against.
 pub const SKIP: &str = "SKIPPED: E2E=1 and KUBECONFIG not set";
@@ -170,7 +170,7 @@ impl Cluster {
         }
         match plural {
             "leases" => get(Api::<Lease>::namespaced(c, ns), name).await,
-            // As stored (DynamicObject): the typed status would drop what crate::api does not
+            // As stored (DynamicObject): the typed status would drop what dlq_replay_api does not
             // model, e.g. the conditions' observedGeneration.
             "dlqreplays" => {
                 let ar = kube::api::ApiResource::erase::<DlqReplay>(&());
@@ -250,7 +250,7 @@ pub async fn drop_finalizers(api: &Api<DlqReplay>) {
 
 impl Cluster {
     async fn forget_redis_state(&self) {
-        let Ok(mut r) = dlq_replay::engine::store::connect(super::REDIS).await else {
+        let Ok(mut r) = dlq_replay_engine::store::connect(crate::world::REDIS).await else {
             return;
         };
         let keys: Vec<String> = redis::cmd("KEYS")
@@ -308,7 +308,7 @@ pub async fn e2e_namespace(test: &str, prefix: &str) -> Option<(Client, String)>
 
 /// Server-side applies `crds/dlqreplay.yaml` and waits (up to 60 s) until it is Established.
 async fn apply_crd(client: &Client) {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/crds/dlqreplay.yaml");
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../crds/dlqreplay.yaml");
     let text = std::fs::read_to_string(path).expect("crds/dlqreplay.yaml");
     let crd: CustomResourceDefinition = serde_yaml::from_str(&text).expect("CRD yaml");
     let crds = Api::<CustomResourceDefinition>::all(client.clone());
