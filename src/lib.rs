@@ -9,7 +9,7 @@
 //! - [`api`] (`dlq-replay-api`): the `DlqReplay` resource, its CEL rules and CRD;
 //! - [`manifest`] (`dlq-replay-validate`): a manifest checked as kube-apiserver checks it;
 //! - [`controller`] and [`metrics`] (`dlq-replay-operator`): the operator;
-//! - [`fixture`] (`dlq-replay-testkit`): dead letters as RabbitMQ makes them (demo, tests).
+//! - [`fixture`] (`dlq-replay-fixture`): dead letters as RabbitMQ makes them (demo, tests).
 
 pub mod cli;
 pub mod report;
@@ -18,6 +18,6 @@ pub mod telemetry;
 pub use dlq_replay_api as api;
 pub use dlq_replay_engine as engine;
 pub use dlq_replay_engine::{redact, tls, Error};
+pub use dlq_replay_fixture as fixture;
 pub use dlq_replay_operator::{controller, metrics};
-pub use dlq_replay_testkit as fixture;
 pub use dlq_replay_validate as manifest;
