@@ -47,7 +47,7 @@ pub fn replay_properties(
     if let Some(k) = key {
         headers.insert(IDEMPOTENCY_KEY.into(), long(k));
     }
-    assertable(without_headers(props), &mut headers, user).with_headers(headers)
+    assertable(all_but(props, Omit::Headers), &mut headers, user).with_headers(headers)
 }
 
 /// Properties of a quarantined message: every header kept, the reason and replay id added.
@@ -60,12 +60,21 @@ pub fn quarantine_properties(
     let mut headers = props.headers().clone().unwrap_or_default();
     headers.insert(QUARANTINE_REASON.into(), long(reason));
     headers.insert(REPLAY_ID.into(), long(replay_id));
-    assertable(without_headers(props), &mut headers, user).with_headers(headers)
+    assertable(all_but(props, Omit::Headers), &mut headers, user).with_headers(headers)
 }
 
-/// Every property but the headers: the caller sets its own, so the original table (with its
-/// `x-death` entries) is not deep-copied only to be replaced.
-fn without_headers(p: &BasicProperties) -> BasicProperties {
+/// Which property [`all_but`] leaves out.
+#[derive(Clone, Copy, PartialEq)]
+enum Omit {
+    /// The caller sets its own, so the original table (with its `x-death` entries) is not
+    /// deep-copied only to be replaced.
+    Headers,
+    /// A `user-id` the connection's user may not assert (see [`assertable`]).
+    UserId,
+}
+
+/// Every property of `p` but the one named.
+fn all_but(p: &BasicProperties, omit: Omit) -> BasicProperties {
     let mut out = BasicProperties::default();
     macro_rules! copy {
         ($($get:ident => $set:ident),*) => {$(
@@ -76,8 +85,14 @@ fn without_headers(p: &BasicProperties) -> BasicProperties {
         delivery_mode => with_delivery_mode, priority => with_priority,
         correlation_id => with_correlation_id, reply_to => with_reply_to,
         expiration => with_expiration, message_id => with_message_id,
-        timestamp => with_timestamp, kind => with_type, user_id => with_user_id,
-        app_id => with_app_id, cluster_id => with_cluster_id);
+        timestamp => with_timestamp, kind => with_type, app_id => with_app_id,
+        cluster_id => with_cluster_id);
+    if omit != Omit::Headers {
+        copy!(headers => with_headers);
+    }
+    if omit != Omit::UserId {
+        copy!(user_id => with_user_id);
+    }
     out
 }
 
@@ -103,26 +118,10 @@ fn assertable(props: BasicProperties, headers: &mut FieldTable, user: &str) -> B
     match props.user_id() {
         Some(u) if u.as_str() != user => {
             headers.insert(ORIGINAL_USER_ID.into(), long(u.as_str()));
-            without_user_id(&props)
+            all_but(&props, Omit::UserId)
         }
         _ => props,
     }
-}
-
-fn without_user_id(p: &BasicProperties) -> BasicProperties {
-    let mut out = BasicProperties::default();
-    macro_rules! copy {
-        ($($get:ident => $set:ident),*) => {$(
-            if let Some(v) = p.$get().clone() { out = out.$set(v); }
-        )*};
-    }
-    copy!(content_type => with_content_type, content_encoding => with_content_encoding,
-        headers => with_headers, delivery_mode => with_delivery_mode, priority => with_priority,
-        correlation_id => with_correlation_id, reply_to => with_reply_to,
-        expiration => with_expiration, message_id => with_message_id,
-        timestamp => with_timestamp, kind => with_type, app_id => with_app_id,
-        cluster_id => with_cluster_id);
-    out
 }
 
 /// The outcome of a confirmed publish: `Ok` when the broker took responsibility, else why not.
@@ -300,7 +299,7 @@ mod tests {
             .with_app_id("a".into())
             .with_cluster_id("cl".into());
         let h = p.headers().clone().unwrap();
-        assert_eq!(without_headers(&p).with_headers(h), p);
+        assert_eq!(all_but(&p, Omit::Headers).with_headers(h), p);
     }
 
     #[test]
