@@ -277,6 +277,7 @@ pub(crate) fn proc_cpu_split(pid: u32) -> (f64, f64) {
     };
     let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
     let f: Vec<&str> = rest.split_whitespace().collect();
+    // After the comm: state is field 3, utime 14 and stime 15 (1-based over the whole line).
     let get = |i: usize| {
         f.get(i - 3)
             .and_then(|v| v.parse::<f64>().ok())
@@ -287,18 +288,8 @@ pub(crate) fn proc_cpu_split(pid: u32) -> (f64, f64) {
 
 /// utime + stime of a process, in clock ticks.
 pub(crate) fn proc_cpu(pid: u32) -> f64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return 0.0;
-    };
-    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    // After the comm: state is field 3, utime 14 and stime 15 (1-based over the whole line).
-    let get = |i: usize| {
-        f.get(i - 3)
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
-    get(14) + get(15)
+    let (user, sys) = proc_cpu_split(pid);
+    user + sys
 }
 
 /// The longest-running process of that name (the server, not a CLI's own VM).
