@@ -52,13 +52,21 @@ for _ = 1, nfields > 0 and nrows or 0 do
   end
   redis.call(unpack(xadd))
 end
--- A variadic command per group (in chunks, for unpack), not one call per message.
-local function chunked(cmd, key, list)
+-- A variadic command per group, not one call per message: `cmd` (after `head`, a hash's key,
+-- when given) over `list` in chunks of 1,000 arguments (for unpack); array replies are joined
+-- in order (a missing value is `false`, so none is skipped).
+local function chunked(cmd, head, list)
+  local out = {}
   for from = 1, #list, 1000 do
-    local args = {cmd, key}
+    local args = {cmd}
+    if head then args[2] = head end
     for j = from, math.min(from + 999, #list) do args[#args + 1] = list[j] end
-    redis.call(unpack(args))
+    local got = redis.call(unpack(args))
+    if type(got) == 'table' then
+      for _, v in ipairs(got) do out[#out + 1] = v end
+    end
   end
+  return out
 end
 local marks = {}
 for _ = 1, tonumber(take()) do
@@ -76,13 +84,7 @@ if nkeys > 0 then
     fields[k] = take()
     values[k] = take()
   end
-  local had = {}
-  for from = 1, nkeys, 1000 do
-    local args = {'HMGET', settled}
-    for j = from, math.min(from + 999, nkeys) do args[#args + 1] = fields[j] end
-    local got = redis.call(unpack(args))
-    for j = from, math.min(from + 999, nkeys) do had[j] = got[j - from + 1] end
-  end
+  local had = chunked('HMGET', settled, fields)
   local new, seen = {}, {}
   for k = 1, nkeys do
     if had[k] or seen[fields[k]] then
@@ -100,13 +102,10 @@ local nclaims = tonumber(take())
 if nclaims > 0 then
   -- The value each key holds as the claims are ended one after the other (a key ended twice
   -- sees what the first end left).
+  local keys = {}
+  for k = 1, nclaims do keys[k] = KEYS[4 + k] end
   local now = {}
-  for from = 1, nclaims, 1000 do
-    local args = {'MGET'}
-    for j = from, math.min(from + 999, nclaims) do args[#args + 1] = KEYS[4 + j] end
-    local got = redis.call(unpack(args))
-    for j = from, math.min(from + 999, nclaims) do now[KEYS[4 + j]] = got[j - from + 1] end
-  end
+  for k, v in ipairs(chunked('MGET', nil, keys)) do now[keys[k]] = v end
   local released = {}
   for k = 1, nclaims do
     local key, value, confirmed = KEYS[4 + k], take(), take()
@@ -120,9 +119,7 @@ if nclaims > 0 then
       end
     end
   end
-  for from = 1, #released, 1000 do
-    redis.call('DEL', unpack(released, from, math.min(from + 999, #released)))
-  end
+  chunked('DEL', nil, released)
 end
 for _ = 1, tonumber(take()) do
   redis.call('HINCRBY', state, take(), take())
