@@ -38,6 +38,16 @@ pub(super) async fn plan(args: PlanArgs) -> Result<ExitCode, Error> {
     for (reason, n) in &report.reasons {
         println!("  {n:>6}  {reason}");
     }
+    if !report.canaries.is_empty() {
+        println!(
+            "canaries: {} (one per signature, canary.waitSeconds {}):",
+            report.canaries.len(),
+            replay.spec.canary.wait_seconds
+        );
+        for (sig, id) in &report.canaries {
+            println!("  {sig:<48} message {id}");
+        }
+    }
     println!(
         "{}",
         redis_line(&report, replay.spec.accepts_redis_eviction())

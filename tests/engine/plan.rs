@@ -115,17 +115,24 @@ async fn plan_run_100_times_leaves_every_message_in_place(t: Target) {
     assert_eq!(before.len(), 41);
     assert!(before.iter().all(|m| m.headers.contains_key("x-death")));
     let resource = w.manifest(&format!(
-        "  selector: {{payload: [{{pointer: /show, equals: daily}}]}}\n  poison: {{requiredFields: [/id]}}\n{}",
+        "  selector: {{payload: [{{pointer: /show, equals: daily}}]}}\n  poison: {{requiredFields: [/id]}}\n  canary: {{enabled: true}}\n{}",
         w.idempotency("Claim")
     ));
     let replay = w.replay(&resource);
     let mut depths = Vec::new();
+    let mut canaries = std::collections::BTreeSet::new();
     for run in 0..100 {
         let report = dlq_replay::engine::plan::plan(&replay)
             .await
             .unwrap_or_else(|e| panic!("plan run {run} on {t}: {e}"));
         depths.push(report.depth);
+        canaries.insert(format!("{:?}", report.canaries));
     }
+    // Every plan names the same canary: the first message of the one signature that would be
+    // replayed.
+    assert_eq!(canaries.len(), 1, "{canaries:?}");
+    let named = canaries.into_iter().next().unwrap_or_default();
+    assert!(named.contains("\"m1\""), "{named}");
     let after = w.take(&w.topo.dlq).await;
     let first_short = depths.iter().position(|&d| d != 41);
     assert_eq!(

@@ -16,7 +16,6 @@ pub mod status;
 pub mod tls;
 
 pub mod canary;
-mod canary_phase;
 pub mod classify;
 mod drain;
 pub mod keep;
@@ -25,7 +24,6 @@ pub mod message;
 mod pass;
 pub mod plan;
 mod preflight;
-pub mod proven;
 pub mod publish;
 pub mod scan;
 pub mod source;
@@ -187,6 +185,14 @@ pub async fn run(
     loop {
         let why = match run_pass(replay, opts, progress, cancel).await {
             Ok(PassEnd::Ended(status)) => return Ok(status),
+            Ok(PassEnd::Pending(status, _)) => return Ok(status),
+            Ok(PassEnd::Again(status)) => {
+                // A Pending pass whose checks pass now: the next pass starts at once.
+                lost_since = None;
+                delays = reconnect_delays();
+                last = status;
+                continue;
+            }
             Ok(PassEnd::Lost(status, why)) => {
                 // A pass that settled something had its connections back: the next loss gets
                 // the whole budget again.

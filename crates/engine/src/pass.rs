@@ -1,9 +1,10 @@
 //! One pass of a replay, flowing one way: its context is opened once ([`Pass::open`]:
-//! connections, the store and the replay's state, the publisher), then the stages run in order
-//! over it: the canary ([`crate::canary_phase`]), the drain ([`Pass::drain`], which opens the
-//! queue's consumer, the mover, the move ledger and the known dead-letter routes once) and the
-//! finish ([`Drained::finish`]). A first run, a rerun and a reconnect all start a new pass, which
-//! resumes from the state in Redis.
+//! connections, the store and the replay's state, the publisher), then the drain runs over it
+//! ([`Pass::drain`], which opens the queue's consumer, the mover, the move ledger, the known
+//! dead-letter routes and the canaries' return watch once; the canaries go inside the drain, see
+//! [`crate::canary`]), then the finish ([`Drained::finish`]). A first run, a rerun and a
+//! reconnect all start a new pass, which resumes from the state in Redis; so does a pass that
+//! ended `Pending` once its checks pass ([`pending_wait`]).
 
 use std::num::NonZeroU32;
 use std::sync::Arc;
@@ -14,14 +15,14 @@ use lapin::types::FieldTable;
 use lapin::Connection;
 use tokio_util::sync::CancellationToken;
 
-use crate::canary_phase::{canary_phase, CanaryEnd};
+use crate::canary::{self, Tracker};
 use crate::drain::{Drain, End};
 use crate::preflight::{audit_config, redis_preflight};
 use crate::source::{self, Source};
 use crate::spec::DlqReplaySpec;
-use crate::status::{AuditRef, Phase, ReplayStatus};
+use crate::status::{AuditRef, CanaryStatus, Phase, ReplayStatus};
 use crate::store::{self, Store};
-use crate::{amqp_user, connect_amqp, keep, now, proven, publish, watch};
+use crate::{amqp_user, connect_amqp, keep, now, publish, watch};
 use crate::{Error, Options, Progress, Replay};
 
 /// How a pass ended.
@@ -30,6 +31,10 @@ pub(crate) enum PassEnd {
     Ended(ReplayStatus),
     /// A connection went away: the status so far, and why.
     Lost(ReplayStatus, String),
+    /// A canary's landing queue failed its pre-flight (these queues): wait for it.
+    Pending(ReplayStatus, Vec<String>),
+    /// The pass ended `Pending` and its checks pass now: start another at once.
+    Again(ReplayStatus),
 }
 
 /// What the stages of a pass share, opened once.
@@ -127,45 +132,29 @@ impl<'a> Pass<'a> {
         })))
     }
 
-    /// The stages in order: canary, drain, finish. The source connection is closed at the end
-    /// whatever happened (everything unsettled goes back to the queue).
+    /// The drain, then the finish. The source connection is closed at the end whatever
+    /// happened (everything unsettled, and everything set aside, goes back to the queue); a
+    /// pass that ended `Pending` then waits for its checks.
     pub(crate) async fn run(self) -> Result<PassEnd, Error> {
         let conn = self.conn.clone();
-        let end = self.stages().await;
+        let (replay, opts, progress, cancel) = (self.replay, self.opts, self.progress, self.cancel);
+        let end = match self.drain().await {
+            Ok(drained) => drained.finish().await,
+            Err(e) => Err(e),
+        };
+        let end = match end {
+            Ok(PassEnd::Pending(status, queues)) => {
+                pending_wait(&conn, replay, opts, progress, cancel, status, &queues).await
+            }
+            other => other,
+        };
         let _ = conn.close(200, "done".into()).await;
         end
     }
 
-    async fn stages(mut self) -> Result<PassEnd, Error> {
-        let proven = match canary_phase(&mut self).await {
-            Ok(CanaryEnd::Drain(proven)) => proven,
-            Ok(CanaryEnd::Stop) => return self.stopped().await,
-            Err(e) if e.is_transient() => return Ok(PassEnd::Lost(self.status, e.to_string())),
-            Err(e) => {
-                self.status.phase = Some(Phase::Failed);
-                self.status.message = Some(format!(
-                    "{e}; nothing else was replayed; run it again to resume"
-                ));
-                return Ok(PassEnd::Ended(self.status));
-            }
-        };
-        let drained = self.drain(proven).await?;
-        drained.finish().await
-    }
-
-    /// The canary stage said not to drain: a CanaryFailed verdict is final and stored.
-    async fn stopped(mut self) -> Result<PassEnd, Error> {
-        if self.status.phase == Some(Phase::CanaryFailed) {
-            self.status.finished_at = Some(now());
-            if let Ok(json) = serde_json::to_string(&self.status) {
-                self.store.finish(&json, false).await?;
-            }
-        }
-        Ok(PassEnd::Ended(self.status))
-    }
-
-    /// Canary → Draining: what the drain needs is opened once, then the drain runs to its end.
-    async fn drain(self, proven: proven::Proven) -> Result<Drained<'a>, Error> {
+    /// What the drain needs is opened once (the canaries' verdicts stored by earlier passes
+    /// included), then the drain runs to its end.
+    async fn drain(self) -> Result<Drained<'a>, Error> {
         let Pass {
             replay,
             opts,
@@ -177,17 +166,28 @@ impl<'a> Pass<'a> {
             state,
             mut status,
         } = self;
-        // The canaries (and what came back) changed the queue: the drain's bound is what it
-        // holds now.
+        let stored: Vec<CanaryStatus> = match &state.canary {
+            Some(json) => serde_json::from_str(json)
+                .map_err(|e| Error::Redis(format!("stored canary results: {e}")))?,
+            None => Vec::new(),
+        };
+        let tracker = Tracker::new(&replay.spec.canary, stored);
+        status.canary = tracker.status();
         let depth = source_depth(&conn, &replay.spec).await?;
-        status.phase = Some(Phase::Draining);
+        status.phase = Some(if tracker.enabled() {
+            Phase::Canary
+        } else {
+            Phase::Draining
+        });
         status.message = Some(format!("replaying, {depth} messages in the queue"));
         progress.send_replace(status.clone());
 
         let window = opts.window.max(1);
         let step = step_size(&replay.spec, window);
         let queue = &replay.spec.source.queue;
-        let src = Source::open(&conn, queue, prefetch(window), depth.into()).await?;
+        // Set-aside deliveries take prefetch too.
+        let prefetch = (usize::from(prefetch(window)) + tracker.look_ahead()).min(65535) as u16;
+        let src = Source::open(&conn, queue, prefetch, depth.into()).await?;
         let mover = keep::Mover::open(publisher.connection(), publisher.user(), queue).await?;
         let ledger = keep::Ledger::open(store.redis(), &replay.amqp_url, queue).await?;
         let mut drain = Drain::new(
@@ -201,12 +201,13 @@ impl<'a> Pass<'a> {
             (window, step),
         );
         drain.keeper = Some((mover, ledger));
-        drain.proven = proven;
+        drain.canary = tracker;
         drain.cancel = cancel.clone();
+        drain.src_conn = Some(conn.clone());
         if replay.spec.canary.enabled {
             let mut redis = drain.store.redis();
             drain.routes = watch::known(&mut redis, &replay.amqp_url, queue).await?;
-            drain.returns = watch::Returns::open(&conn, &drain.routes).await?;
+            drain.returns = Some(watch::Returns::open(&conn, &drain.routes).await?);
         }
         let end = drain.run(opts, progress, cancel).await;
         Ok(Drained {
@@ -253,20 +254,30 @@ impl Drained<'_> {
         if let Some(r) = drain.returns.take() {
             r.close().await;
         }
+        let pending = match &end {
+            End::Pending(_, queues) => Some(queues.clone()),
+            _ => None,
+        };
         let lost = match &end {
             End::Error(e) if e.is_transient() => Some(e.to_string()),
             End::Error(e) if !drain.connected(&conn) => Some(format!("connection lost: {e}")),
             _ => None,
         };
         let mut status = drain.finish(end).await;
+        if let Some(queues) = pending {
+            return Ok(PassEnd::Pending(status, queues));
+        }
         if let Some(why) = lost {
             // Not a phase: the next pass picks the drain up where this one left it.
             status.phase = Some(Phase::Draining);
             return Ok(PassEnd::Lost(status, why));
         }
-        if status.phase == Some(Phase::Done) {
+        let done = status.phase == Some(Phase::Done);
+        if done || status.phase == Some(Phase::CanaryFailed) {
+            // A CanaryFailed verdict is final and stored like Done (its settled marks kept, for
+            // a retry in place).
             if let Ok(json) = serde_json::to_string(&status) {
-                if let Err(e) = drain.store.finish(&json, true).await {
+                if let Err(e) = drain.store.finish(&json, done).await {
                     if e.is_transient() {
                         return Ok(PassEnd::Lost(status, e.to_string()));
                     }
@@ -276,6 +287,48 @@ impl Drained<'_> {
             }
         }
         Ok(PassEnd::Ended(status))
+    }
+}
+
+/// A pass that ended `Pending` (a canary's landing queue failed its pre-flight; what it held
+/// went back to the queue): only the cheap checks run, every `opts.recheck`, until they pass
+/// (another pass starts) or the replay is stopped or gives up waiting.
+async fn pending_wait(
+    conn: &Connection,
+    replay: &Replay,
+    opts: &Options,
+    progress: &Progress,
+    cancel: &CancellationToken,
+    mut status: ReplayStatus,
+    queues: &[String],
+) -> Result<PassEnd, Error> {
+    let started = tokio::time::Instant::now();
+    let mut why = status.message.clone().unwrap_or_default();
+    loop {
+        status.phase = Some(Phase::Pending);
+        status.message = Some(format!(
+            "{why}; checking again every {}s",
+            opts.recheck.as_secs()
+        ));
+        progress.send_replace(status.clone());
+        let timed_out = opts.pending_timeout.is_some_and(|t| started.elapsed() >= t);
+        if timed_out || cancel.is_cancelled() {
+            let touched = if status.counts.scanned == 0 {
+                ", nothing was touched"
+            } else {
+                ""
+            };
+            status.message = Some(format!("still Pending ({why}); gave up waiting{touched}"));
+            return Ok(PassEnd::Ended(status));
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(opts.recheck) => {}
+            _ = cancel.cancelled() => {}
+        }
+        match canary::preflight(conn, &replay.spec, queues).await? {
+            Some(still) => why = still,
+            None => return Ok(PassEnd::Again(status)),
+        }
     }
 }
 

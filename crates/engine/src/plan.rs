@@ -5,14 +5,15 @@
 //! back) no quorum-queue delivery count grew, so a plan can be run any number of times. The
 //! idempotency keys are only read; the one write is the per-queue move ledger.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 use serde::Serialize;
 
 use crate::classify::{self, Rules, SkipReason, Verdict};
 use crate::scan::Scan;
 use crate::spec::IdempotencyMode;
-use crate::status::{Counts, Phase, ReplayStatus};
+use crate::message;
+use crate::status::{CanaryResult, CanaryStatus, Counts, Phase, ReplayStatus};
 use crate::store::Held;
 use crate::Error;
 use crate::{connect_amqp, now, store, Replay};
@@ -29,6 +30,11 @@ pub struct PlanReport {
     pub by_signature: BTreeMap<String, Counts>,
     /// How many messages each quarantine or skip reason covers.
     pub reasons: BTreeMap<String, u64>,
+    /// With the canary on: each signature that would get a canary, and the message (id, else
+    /// body hash) that would be it: the first of the signature that would be replayed. A
+    /// signature an earlier run of this replay decided gets none.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub canaries: BTreeMap<String, String>,
     /// The pre-flight on the replay's Redis for what the replay would decide (`None`: Redis
     /// would not say, see `redisError`).
     pub redis: Option<crate::RedisCheck>,
@@ -63,13 +69,12 @@ pub async fn plan(replay: &Replay) -> Result<PlanReport, Error> {
     let redis = store::connect(&replay.redis_url).await?;
     let mut con = replay.spec.idempotency.as_ref().map(|_| redis.clone());
     // An existing replay of this name: recognise its own returned messages as it would.
-    let replay_id = match con.clone() {
-        Some(c) => store::Store::peek(c, &replay.namespace, &replay.state_name())
-            .await?
-            .map(|s| s.replay_id),
+    let state = match con.clone() {
+        Some(c) => store::Store::peek(c, &replay.namespace, &replay.state_name()).await?,
         None => None,
-    }
-    .unwrap_or_default();
+    };
+    let mut canaries = Canaries::of(replay, state.as_ref());
+    let replay_id = state.map(|s| s.replay_id).unwrap_or_default();
     let rules = Rules::of(&replay.spec, &replay_id);
     let mut redis_con = redis.clone();
     let mut scan = Scan::open(&conn, &conn, redis, &replay.amqp_url, queue).await?;
@@ -78,7 +83,9 @@ pub async fn plan(replay: &Replay) -> Result<PlanReport, Error> {
         ..Default::default()
     };
     let mut selected = 0u64;
-    let mut pending: Vec<(String, String)> = Vec::new();
+    // Keys to look up: the key, the signature, and the message's identity when it may be its
+    // signature's canary.
+    let mut pending: Vec<(String, String, Option<String>)> = Vec::new();
     while let Some(msg) = scan.next().await? {
         let d = &msg;
         let sig = classify::signature(&replay.spec.canary.signature_header, &d.properties);
@@ -113,19 +120,23 @@ pub async fn plan(replay: &Replay) -> Result<PlanReport, Error> {
             }
             Verdict::Replay { key: Some(k), .. } if con.is_some() => {
                 selected += 1;
-                pending.push((k, sig));
+                let id = canaries.wants(&sig).then(|| message::identity(&d.properties, &d.data));
+                pending.push((k, sig, id));
             }
             Verdict::Replay { .. } => {
                 selected += 1;
                 bump(&mut report, &sig, |c| c.replayed += 1);
+                if canaries.wants(&sig) {
+                    canaries.take(&mut report, &sig, message::identity(&d.properties, &d.data));
+                }
             }
         }
         scan.keep(msg).await?;
         if pending.len() >= 256 {
-            resolve(replay, con.as_mut(), &mut pending, &mut report).await?;
+            resolve(replay, con.as_mut(), &mut pending, &mut report, &mut canaries).await?;
         }
     }
-    resolve(replay, con.as_mut(), &mut pending, &mut report).await?;
+    resolve(replay, con.as_mut(), &mut pending, &mut report, &mut canaries).await?;
     scan.finish().await?;
     // What `run` would refuse, said to the reviewer before it is applied.
     let decided = report.counts.scanned - report.counts.skipped;
@@ -137,6 +148,40 @@ pub async fn plan(replay: &Replay) -> Result<PlanReport, Error> {
     Ok(report)
 }
 
+/// Which signatures would get a canary: those not decided by an earlier run, once each.
+struct Canaries {
+    on: bool,
+    decided: HashSet<String>,
+}
+
+impl Canaries {
+    fn of(replay: &Replay, state: Option<&store::State>) -> Self {
+        let decided = state
+            .and_then(|s| s.canary.as_deref())
+            .and_then(|j| serde_json::from_str::<Vec<CanaryStatus>>(j).ok())
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|c| c.result != CanaryResult::Waiting)
+            .map(|c| c.signature)
+            .collect();
+        Self {
+            on: replay.spec.canary.enabled,
+            decided,
+        }
+    }
+
+    /// Whether a message of `sig` that would be replayed may still be its canary.
+    fn wants(&self, sig: &str) -> bool {
+        self.on && !self.decided.contains(sig)
+    }
+
+    /// The first message of `sig` that would be replayed is its canary.
+    fn take(&mut self, report: &mut PlanReport, sig: &str, identity: String) {
+        report.canaries.insert(sig.to_string(), identity);
+        self.decided.insert(sig.to_string());
+    }
+}
+
 fn bump(report: &mut PlanReport, sig: &str, f: impl Fn(&mut Counts)) {
     f(&mut report.counts);
     f(report.by_signature.entry(sig.to_string()).or_default());
@@ -146,8 +191,9 @@ fn bump(report: &mut PlanReport, sig: &str, f: impl Fn(&mut Counts)) {
 async fn resolve(
     replay: &Replay,
     con: Option<&mut redis::aio::ConnectionManager>,
-    pending: &mut Vec<(String, String)>,
+    pending: &mut Vec<(String, String, Option<String>)>,
     report: &mut PlanReport,
+    canaries: &mut Canaries,
 ) -> Result<(), Error> {
     let (Some(con), Some(idem)) = (con, replay.spec.idempotency.as_ref()) else {
         return Ok(());
@@ -155,9 +201,10 @@ async fn resolve(
     if pending.is_empty() {
         return Ok(());
     }
-    let keys: Vec<&str> = pending.iter().map(|(k, _)| k.as_str()).collect();
+    let keys: Vec<&str> = pending.iter().map(|(k, _, _)| k.as_str()).collect();
     let values: Vec<Option<String>> = redis::cmd("MGET").arg(&keys).query_async(con).await?;
-    for ((_, sig), v) in pending.iter().zip(values) {
+    for ((_, sig, id), v) in pending.drain(..).zip(values) {
+        let sig = &sig;
         match (idem.mode, Held::of(v.as_deref(), &idem.done_value)) {
             (_, Held::Done) => bump(report, sig, |c| c.duplicates += 1),
             (IdempotencyMode::Claim, Held::Unconfirmed(_)) => {
@@ -170,9 +217,13 @@ async fn resolve(
             (IdempotencyMode::Claim, Held::Published(_) | Held::Other(_)) => {
                 bump(report, sig, |c| c.duplicates += 1)
             }
-            _ => bump(report, sig, |c| c.replayed += 1),
+            _ => {
+                bump(report, sig, |c| c.replayed += 1);
+                if let Some(id) = id.filter(|_| canaries.wants(sig)) {
+                    canaries.take(report, sig, id);
+                }
+            }
         }
     }
-    pending.clear();
     Ok(())
 }

@@ -233,9 +233,15 @@ impl Source {
 
     /// Acknowledge a step's settled messages (`tags`); `held` are the step's deliveries not
     /// acked now. Deliveries are decided in order, so the tags below every held one are acked
-    /// with one `multiple` ack (one frame, not one per message); the rest one by one.
+    /// with one `multiple` ack (one frame, not one per message); the rest one by one. A held
+    /// delivery among `tags` (one set aside, now decided) is held no longer.
     pub async fn ack(&mut self, tags: &[u64], held: &[u64]) -> Result<(), Error> {
         self.before_ack(tags.len() as u64).await?;
+        if !self.held.is_empty() {
+            for t in tags {
+                self.held.remove(t);
+            }
+        }
         self.held.extend(held);
         let floor = self.held.first().copied().unwrap_or(u64::MAX);
         let (below, above): (Vec<u64>, Vec<u64>) = tags.iter().partition(|&&t| t < floor);
@@ -247,6 +253,11 @@ impl Source {
         self.ack_each(&above).await?;
         self.acked += tags.len() as u64;
         Ok(())
+    }
+
+    /// Hold deliveries unacked for now (set aside): no `multiple` ack may cover them.
+    pub fn hold(&mut self, tags: &[u64]) {
+        self.held.extend(tags);
     }
 
     /// Acknowledge held deliveries (see [`Source::ack`]) once their outcome is durable.

@@ -195,8 +195,9 @@ pub struct PoisonSpec {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 64), inner(length(max = 1024), regex(pattern = JSON_POINTER)))]
     pub json_fields: Vec<String>,
-    /// Stop before draining when more than this share (0 to 1) of the scanned messages is poison:
-    /// the fix is probably not deployed.
+    /// With the canary: stop before anything moves when more than this share (0 to 1) of the
+    /// messages in the canary's first look-ahead (`canary.lookAhead`, or the whole queue when it is
+    /// shorter) is poison: the fix is probably not deployed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0.0, max = 1.0))]
     pub max_quarantine_ratio: Option<f64>,
@@ -400,13 +401,43 @@ pub struct CanarySpec {
     #[serde(default = "default_max_return_ratio")]
     #[schemars(range(min = 0.0, max = 1.0))]
     pub max_return_ratio: f64,
-    /// The most distinct failure signatures the queue may hold (1 to 1000). Each gets a canary
+    /// The most distinct failure signatures the replay may meet (1 to 1000). Each gets a canary
     /// and a line in the status; a header holding per-message text (an error message with ids in
-    /// it) would make every message its own canary, so more than this fails the replay before
-    /// anything is touched: choose a coarser `signatureHeader` or raise the limit.
+    /// it) would make every message its own canary. More than this within the first look-ahead
+    /// fails the replay before anything moves; met later in the drain, it stops the replay there
+    /// (`Failed`, what is not replayed stays in the queue): choose a coarser `signatureHeader`
+    /// or raise the limit.
     #[serde(default = "default_max_signatures")]
     #[schemars(range(min = 1, max = 1000))]
     pub max_signatures: u32,
+    /// The most messages set aside (held by the replay, unacknowledged, in the order they came)
+    /// while the canary of their signature is out (1 to 10000). Signatures are discovered as the
+    /// drain meets them: the first message of a new signature is its canary, the messages of
+    /// proven signatures drain at once, and those of a signature still waiting are set aside;
+    /// with this many set aside, the drain waits for the canaries instead of reading further.
+    /// The replay starts by reading this many (the first look-ahead) before anything moves, and
+    /// every signature met there has its canary out together. Costs memory (the messages'
+    /// bodies) and consumer prefetch; nothing is published to set a message aside.
+    #[serde(default = "default_look_ahead")]
+    #[schemars(range(min = 1, max = 10000))]
+    pub look_ahead: u32,
+    /// What a canary that came back (or, with `requireDone`, was not confirmed) does to the rest:
+    /// `HoldSignature` (default) leaves its signature's messages in the queue and drains the
+    /// proven signatures; when no signature passed and none is still waiting, the replay ends
+    /// `CanaryFailed`. `StopReplay` ends the replay `CanaryFailed` at once: what proven
+    /// signatures replayed before stays replayed, the rest stays in the queue.
+    #[serde(default, skip_serializing_if = "is_default")]
+    pub on_failure: CanaryFailure,
+}
+
+/// What a failed canary does to the other signatures (`canary.onFailure`).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum CanaryFailure {
+    /// Hold only the failed canary's signature; drain the proven ones.
+    #[default]
+    HoldSignature,
+    /// Stop the replay (`CanaryFailed`).
+    StopReplay,
 }
 
 impl Default for CanarySpec {
@@ -421,6 +452,8 @@ impl Default for CanarySpec {
             require_done: false,
             max_return_ratio: default_max_return_ratio(),
             max_signatures: default_max_signatures(),
+            look_ahead: default_look_ahead(),
+            on_failure: CanaryFailure::default(),
         }
     }
 }
@@ -436,6 +469,9 @@ fn default_signature_header() -> String {
 }
 fn default_max_signatures() -> u32 {
     20
+}
+fn default_look_ahead() -> u32 {
+    1000
 }
 fn default_max_backlog() -> u64 {
     1000

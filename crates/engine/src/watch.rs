@@ -137,45 +137,84 @@ pub fn returned(d: &Delivery, replay_id: &str, sig_header: &str) -> Option<Retur
 pub struct Returns {
     channel: Channel,
     queue: String,
+    /// The routes it is bound to.
+    bound: BTreeSet<Route>,
+    /// Routes that could not be bound (their exchange is gone): not tried again.
+    refused: BTreeSet<Route>,
+}
+
+/// A server-named, exclusive queue: gone with the connection, whatever ends the replay.
+async fn declare(conn: &Connection) -> Result<(Channel, String), Error> {
+    let channel = conn.create_channel().await?;
+    let q = channel
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    let name = q.name().as_str().to_string();
+    Ok((channel, name))
 }
 
 impl Returns {
-    /// Bind a watch queue to `routes`; `None` when there is no route to bind to.
-    pub async fn open(conn: &Connection, routes: &BTreeSet<Route>) -> Result<Option<Self>, Error> {
-        if routes.is_empty() {
-            return Ok(None);
-        }
-        let channel = conn.create_channel().await?;
-        // Server-named, exclusive: gone with the connection, whatever ends the replay.
-        let q = channel
-            .queue_declare(
-                "".into(),
-                QueueDeclareOptions {
-                    exclusive: true,
-                    auto_delete: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await?;
-        let queue = q.name().as_str().to_string();
-        for r in routes {
-            let bound = channel
+    /// Open a watch queue and bind it to `routes` (more can be bound as they are met).
+    pub async fn open(conn: &Connection, routes: &BTreeSet<Route>) -> Result<Self, Error> {
+        let (channel, queue) = declare(conn).await?;
+        let mut returns = Self {
+            channel,
+            queue,
+            bound: BTreeSet::new(),
+            refused: BTreeSet::new(),
+        };
+        returns.bind(conn, routes).await?;
+        Ok(returns)
+    }
+
+    /// Bind the routes of `routes` not bound yet. A route whose exchange is gone is skipped
+    /// with a warning and not tried again (the failed bind closed the channel: the watch goes
+    /// on in a new queue, bound to the routes that were).
+    pub async fn bind(&mut self, conn: &Connection, routes: &BTreeSet<Route>) -> Result<(), Error> {
+        let mut todo: Vec<Route> = routes
+            .iter()
+            .filter(|r| !self.bound.contains(*r) && !self.refused.contains(*r))
+            .cloned()
+            .collect();
+        while let Some(r) = todo.pop() {
+            let bound = self
+                .channel
                 .queue_bind(
-                    queue.as_str().into(),
+                    self.queue.as_str().into(),
                     r.exchange.as_str().into(),
                     r.routing_key.as_str().into(),
                     QueueBindOptions::default(),
                     FieldTable::default(),
                 )
                 .await;
-            if let Err(e) = bound {
-                // The exchange is gone (or never was ours to bind): watch without it.
-                tracing::warn!(exchange = %r.exchange, error = %e, "cannot watch a dead-letter route");
-                return Ok(None);
+            match bound {
+                Ok(()) => {
+                    self.bound.insert(r);
+                }
+                Err(e) if crate::source::is_not_found(&e) => {
+                    tracing::warn!(exchange = %r.exchange, error = %e, "cannot watch a dead-letter route");
+                    self.refused.insert(r);
+                    let (channel, queue) = declare(conn).await?;
+                    (self.channel, self.queue) = (channel, queue);
+                    todo.extend(std::mem::take(&mut self.bound));
+                }
+                Err(e) => return Err(e.into()),
             }
         }
-        Ok(Some(Self { channel, queue }))
+        Ok(())
+    }
+
+    /// Whether any route is bound (a return can reach the watch).
+    pub fn watching(&self) -> bool {
+        !self.bound.is_empty()
     }
 
     /// Every new dead letter since the last poll that is one of `replay_id`'s, coming back.

@@ -1,11 +1,38 @@
-//! What each delivery of a step becomes (replayed, quarantined, skipped, held back, a
-//! leftover copy of an earlier move), before the gate asks Redis about it.
+//! What each delivery of a step becomes (replayed, quarantined, skipped, held back, set aside
+//! for a canary, a canary itself, a leftover copy of an earlier move), before the gate asks
+//! Redis about it.
 
 use lapin::message::Delivery;
 
-use super::{Act, Drain, Item};
+use super::{Act, Aside, Drain, Item};
+use crate::canary::Gate;
 use crate::classify::{self, Rules, SkipReason, Verdict};
-use crate::{message, proven, watch};
+use crate::{message, watch};
+
+/// A delivery on its way into a step: fresh from the queue, or set aside before and released
+/// (its move-ledger meeting made when it was fresh).
+pub(super) struct Input {
+    pub delivery: Delivery,
+    pub met: Option<(String, bool)>,
+    /// Set aside too long (see `HOLD_MAX`): left in the queue.
+    pub expired: bool,
+}
+
+impl From<Aside> for Input {
+    fn from(a: Aside) -> Self {
+        Self {
+            expired: a.since.elapsed() >= HOLD_MAX,
+            delivery: a.delivery,
+            met: a.met,
+        }
+    }
+}
+
+/// The longest a delivery stays set aside: RabbitMQ closes a channel holding a delivery unacked
+/// for `consumer_timeout` (30 min by default), which would hand everything back. A delivery set
+/// aside this long (a `canary.waitSeconds` near 30 min, or a queue Pending that long) is moved to
+/// the tail like a skipped one, for a later run.
+pub(super) const HOLD_MAX: std::time::Duration = std::time::Duration::from_secs(25 * 60);
 
 impl Drain<'_> {
     pub(super) fn limit_reached(&self) -> bool {
@@ -16,9 +43,10 @@ impl Drain<'_> {
             .is_some_and(|l| self.selected >= l)
     }
 
-    pub(super) fn classify(&mut self, deliveries: Vec<Delivery>) -> Vec<Item> {
-        let rules = Rules::of(&self.replay.spec, &self.replay_id);
-        let mut items = Vec::with_capacity(deliveries.len());
+    /// Fresh deliveries: counted against the pass's bound, their routes noted, met by the move
+    /// ledger (once: a released delivery keeps its meeting).
+    pub(super) fn fresh(&mut self, deliveries: Vec<Delivery>) -> Vec<Input> {
+        let mut out = Vec::with_capacity(deliveries.len());
         for delivery in deliveries {
             if self.seen >= self.bound {
                 // Prefetched beyond the bound: not ours; it goes back untouched when the channel
@@ -27,92 +55,136 @@ impl Drain<'_> {
             }
             self.seen += 1;
             watch::note_route(&mut self.routes, &delivery);
-            let props = &delivery.properties;
-            let identity = message::identity(props, &delivery.data);
-            let fingerprint = message::fingerprint(props, &delivery.data);
-            let signature = classify::signature(&self.replay.spec.canary.signature_header, props);
             let met = self
                 .keeper
                 .as_mut()
-                .and_then(|(_, ledger)| ledger.meet(props, &delivery.data));
-            if let Some((d, true)) = met {
-                items.push(Item {
-                    delivery,
-                    identity,
-                    fingerprint,
-                    signature,
-                    digest: Some(d),
-                    key: None,
-                    act: Act::Leftover,
-                });
-                continue;
-            }
-            let digest = met.map(|(d, _)| d);
-            let verdict = if self.limit_reached() {
-                Verdict::Skip(SkipReason::NotSelected("selector.limit reached".into()))
-            } else {
-                classify::classify(&rules, props, &delivery.data)
+                .and_then(|(_, ledger)| ledger.meet(&delivery.properties, &delivery.data));
+            out.push(Input {
+                delivery,
+                met,
+                expired: false,
+            });
+        }
+        out
+    }
+
+    pub(super) fn classify(&mut self, inputs: Vec<Input>, fresh: bool) -> Vec<Item> {
+        let replay = self.replay;
+        // Its own copy: classifying a step mutates the drain.
+        let replay_id = self.replay_id.clone();
+        let rules = Rules::of(&replay.spec, &replay_id);
+        inputs
+            .into_iter()
+            .map(|input| self.classify_one(&rules, input, fresh))
+            .collect()
+    }
+
+    fn classify_one(&mut self, rules: &Rules, input: Input, fresh: bool) -> Item {
+        let Input {
+            delivery,
+            met,
+            expired,
+        } = input;
+        let props = &delivery.properties;
+        let identity = message::identity(props, &delivery.data);
+        let fingerprint = message::fingerprint(props, &delivery.data);
+        let signature = classify::signature(&self.replay.spec.canary.signature_header, props);
+        let mut item = Item {
+            delivery,
+            identity,
+            fingerprint,
+            signature,
+            digest: None,
+            key: None,
+            act: Act::Leftover,
+            canary: false,
+            met: None,
+        };
+        if self.canary.opening() {
+            // The first look-ahead is read and set aside whole: what it holds is decided before
+            // anything moves.
+            let verdict = classify::classify(rules, &item.delivery.properties, &item.delivery.data);
+            let (sig, poison, landing) = match &verdict {
+                Verdict::Replay { .. } => (
+                    Some(item.signature.as_str()),
+                    false,
+                    crate::canary::landing_queue(&self.replay.spec, &item.delivery),
+                ),
+                Verdict::Poison(_) => (None, true, None),
+                Verdict::Skip(_) => (None, false, None),
             };
-            let (act, key) = match verdict {
-                Verdict::Skip(SkipReason::Returned) => (
-                    Act::Skip {
-                        reason: "returned: died again after this replay".into(),
-                        returned: true,
-                    },
-                    None,
-                ),
-                Verdict::Skip(SkipReason::NotSelected(r)) => (
-                    Act::Skip {
-                        reason: r,
-                        returned: false,
-                    },
-                    None,
-                ),
-                Verdict::Poison(r) => (Act::Quarantine(r), None),
-                Verdict::Replay { key, destination } => {
-                    match hold(&self.proven, &mut self.unproven, &signature) {
-                        Some(reason) => (
+            self.canary.note_opening(sig, poison, landing);
+            item.act = Act::Aside(None);
+            item.met = met;
+            return item;
+        }
+        if let Some((d, true)) = met {
+            item.digest = Some(d);
+            return item;
+        }
+        item.digest = met.as_ref().map(|(d, _)| d.clone());
+        item.met = met;
+        let verdict = if expired {
+            Verdict::Skip(SkipReason::NotSelected(
+                "set aside for 25 min waiting for a canary: left in the queue for the next run"
+                    .into(),
+            ))
+        } else if self.limit_reached() {
+            Verdict::Skip(SkipReason::NotSelected("selector.limit reached".into()))
+        } else {
+            classify::classify(rules, &item.delivery.properties, &item.delivery.data)
+        };
+        let (act, key) = match verdict {
+            Verdict::Skip(SkipReason::Returned) => (
+                Act::Skip {
+                    reason: "returned: died again after this replay".into(),
+                    returned: true,
+                },
+                None,
+            ),
+            Verdict::Skip(SkipReason::NotSelected(r)) => (
+                Act::Skip {
+                    reason: r,
+                    returned: false,
+                },
+                None,
+            ),
+            Verdict::Poison(r) => (Act::Quarantine(r), None),
+            Verdict::Replay { key, destination } => {
+                if fresh {
+                    self.canary.count(&item.signature);
+                }
+                match self.canary.gate(&item.signature) {
+                    Gate::Go => (Act::Replay(destination), key),
+                    Gate::Canary => {
+                        item.canary = true;
+                        (Act::Replay(destination), key)
+                    }
+                    Gate::Aside => (Act::Aside(Some(item.signature.clone())), None),
+                    Gate::Held => {
+                        *self.canary.held.entry(item.signature.clone()).or_default() += 1;
+                        (
                             Act::Skip {
-                                reason,
+                                reason: "held back: the canary of its signature did not pass"
+                                    .into(),
                                 returned: false,
                             },
                             None,
-                        ),
-                        None => (Act::Replay(destination), key),
+                        )
+                    }
+                    Gate::TooMany(why) => {
+                        // Stays unacked (back in the queue when the pass closes): the pass ends.
+                        self.refused.get_or_insert(why);
+                        (Act::Aside(Some(item.signature.clone())), None)
                     }
                 }
-            };
-            if !matches!(act, Act::Skip { .. }) {
-                self.selected += 1;
             }
-            items.push(Item {
-                delivery,
-                identity,
-                fingerprint,
-                signature,
-                digest,
-                key,
-                act,
-            });
+        };
+        if !matches!(act, Act::Skip { .. } | Act::Aside(_)) {
+            self.selected += 1;
         }
-        items
+        item.act = act;
+        item.key = key;
+        item
     }
-}
-
-/// Why a replayable message stays in the queue (its signature's canary did not pass, or none
-/// met it), counting the unproven ones in `unproven` for the end message.
-fn hold(
-    proven: &proven::Proven,
-    unproven: &mut std::collections::BTreeMap<String, u64>,
-    sig: &str,
-) -> Option<String> {
-    if let proven::Proven::All = proven {
-        return None;
-    }
-    let hold = proven.hold(sig)?;
-    let reason = hold.reason(sig);
-    if hold == proven::Hold::Unproven {
-        *unproven.entry(sig.to_string()).or_default() += 1;
-    }
-    Some(reason)
 }

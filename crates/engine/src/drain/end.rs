@@ -32,22 +32,14 @@ impl Drain<'_> {
         let found = watch
             .poll(&self.replay_id, &spec.canary.signature_header)
             .await?;
-        let before = self.returns_behind.len();
-        let mut last_reason = String::new();
-        for r in found {
-            if self.returns_behind.insert(r.fingerprint) {
-                last_reason = r.reason;
-            }
-        }
-        let new = (self.returns_behind.len() - before) as u64;
-        self.status.counts.returned += new;
-        let replayed = self.status.counts.replayed.max(1);
-        let ratio = self.status.counts.returned as f64 / replayed as f64;
+        let (new, last_reason) = self.returns_found(found);
+        // The canaries' own returns are their verdicts, not the drain's.
+        let c = &self.status.counts;
+        let returned = c.returned.saturating_sub(self.canary.came_back);
+        let replayed = c.replayed.saturating_sub(self.canary.sent).max(1);
+        let ratio = returned as f64 / replayed as f64;
         if new > 0 && ratio > spec.canary.max_return_ratio {
-            return Ok(Some(End::TooManyReturns(
-                self.status.counts.returned,
-                last_reason,
-            )));
+            return Ok(Some(End::TooManyReturns(returned, last_reason)));
         }
         Ok(None)
     }
@@ -61,8 +53,51 @@ impl Drain<'_> {
 
     pub(super) fn report(&mut self, progress: &Progress) {
         let left = self.bound.saturating_sub(self.seen);
-        self.status.message = Some(format!("replaying, {left} left of this pass"));
+        let c = &self.canary;
+        let (phase, message) = if c.opening() {
+            (
+                Phase::Canary,
+                format!(
+                    "reading the first {} messages (canary.lookAhead) before anything moves",
+                    c.look_ahead()
+                ),
+            )
+        } else if c.out_count() > 0 || c.waiting() {
+            let out = format!(
+                "{} canaries out, waiting until {}; {} messages set aside",
+                c.out_count(),
+                self.wait_until(),
+                self.aside.len() + self.released.len()
+            );
+            // Canary until a signature is proven; Draining from then on, its canaries beside.
+            if c.proven_any() {
+                (
+                    Phase::Draining,
+                    format!("replaying, {left} left of this pass; {out}"),
+                )
+            } else {
+                (Phase::Canary, out)
+            }
+        } else {
+            (Phase::Draining, format!("replaying, {left} left of this pass"))
+        };
+        self.status.phase = Some(phase);
+        self.status.message = Some(message);
         progress.send_replace(self.status.clone());
+    }
+
+    /// When the last wait of the canaries out ends (HH:MM:SS, what a person compares with a
+    /// clock).
+    fn wait_until(&self) -> String {
+        self.status
+            .canary
+            .iter()
+            .filter(|c| c.result == crate::status::CanaryResult::Waiting)
+            .filter_map(|c| c.wait_until.as_deref())
+            .filter_map(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
+            .max()
+            .map(|t| t.format("%H:%M:%S UTC").to_string())
+            .unwrap_or_default()
     }
 
     /// Close the pass: everything still unacked goes back to the queue in place.
@@ -75,16 +110,18 @@ impl Drain<'_> {
                 self.take_back_moved().await;
             }
         }
+        self.status.canary = self.canary.status();
         let mut status = self.status.clone();
         let mut summary = summary(&status.counts);
-        if !self.unproven.is_empty() {
-            let held: u64 = self.unproven.values().sum();
-            let sigs: Vec<&str> = self.unproven.keys().map(String::as_str).collect();
+        if !self.canary.held.is_empty() {
+            let held: u64 = self.canary.held.values().sum();
+            let sigs: Vec<&str> = self.canary.held.keys().map(String::as_str).collect();
             summary.push_str(&format!(
-                "; {held} held back because no canary proved their signature ({}): they arrived after the canaries were chosen and stay in the queue for a new replay to canary",
+                "; {held} held back in the queue because the canary of their signature did not pass ({})",
                 sigs.join(", ")
             ));
         }
+        let out = self.canary.out_count();
         let (phase, message) = match end {
             // Past selector.limit the pass went on to its bound, skipping: a message that stays
             // is moved like any skipped one, so the DLQ keeps its order.
@@ -99,7 +136,11 @@ impl Drain<'_> {
                     self.replay.spec.canary.max_return_ratio
                 ),
             ),
+            End::Cancelled if out > 0 => (Phase::Suspended, format!("stopped with {out} canaries out (published, acked and audited; their verdict is not in): run it again to resume, their signatures get new canaries; {summary}")),
             End::Cancelled => (Phase::Suspended, format!("stopped; run it again to resume; {summary}")),
+            End::Refused(why) => (Phase::Failed, format!("{why}; {summary}")),
+            End::CanaryFailed(why) => (Phase::CanaryFailed, format!("{why}; {summary}")),
+            End::Pending(why, _) => (Phase::Pending, why),
             End::Error(e) => (Phase::Failed, format!("{e}; unsettled messages are still in the dead-letter queue; run it again to resume")),
         };
         status.phase = Some(phase);

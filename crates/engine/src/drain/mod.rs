@@ -15,16 +15,23 @@
 //! published, not yet recorded. It is what a crash (kill -9) can leave unknown: in Claim mode
 //! those keys are quarantined `OutcomeUnknown` by the next run, in Check mode published again.
 //!
-//! By file: `decide` (what each delivery becomes), `gate`, `send`, `settle` (keep, record, ack)
-//! and `end` (how a pass ends); this one runs the steps.
+//! With the canary on, a replayable message whose signature's canary is still out is set aside
+//! (held unacknowledged, out of the window) and released into a later step when the verdict is
+//! in ([`crate::canary`]).
+//!
+//! By file: `decide` (what each delivery becomes), `gate`, `send`, `settle` (keep, record, ack),
+//! `aside` (the canary's part: set aside, release, look) and `end` (how a pass ends); this one
+//! runs the steps.
 
+mod aside;
 mod decide;
 mod end;
 mod gate;
 mod send;
 mod settle;
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::Arc;
 use std::time::Duration;
 
 use governor::DefaultDirectRateLimiter;
@@ -33,9 +40,11 @@ use lapin::{Connection, PublisherConfirm};
 use tokio_util::sync::CancellationToken;
 
 use super::classify::Destination;
+use self::decide::Input;
 use super::source::{self, Source};
 use super::store::{self, Store};
-use super::{keep, proven, publish, watch, Options, Progress, Replay};
+use super::{keep, publish, watch, Options, Progress, Replay};
+use crate::canary::Tracker;
 use crate::status::ReplayStatus;
 use crate::Error;
 
@@ -67,6 +76,20 @@ pub(super) enum Act {
     /// limiter: nothing recorded, its claim released, left unacked (back in the queue when the
     /// pass closes its channel), decided by the next run.
     Unsent,
+    /// Set aside until its signature's canary has a verdict (the signature), or, read in the
+    /// first look-ahead, until that is decided (`None`). Leaves the step unacked.
+    Aside(Option<String>),
+}
+
+/// A delivery set aside: held unacknowledged until it can be decided.
+pub(super) struct Aside {
+    delivery: Delivery,
+    /// Its signature's canary is out; `None`: read in the first look-ahead.
+    signature: Option<String>,
+    /// Its move-ledger meeting, made when it was fresh.
+    met: Option<(String, bool)>,
+    /// When it was set aside.
+    since: tokio::time::Instant,
 }
 
 pub(super) struct Item {
@@ -81,12 +104,23 @@ pub(super) struct Item {
     signature: String,
     key: Option<String>,
     act: Act,
+    /// The first message of its signature: the canary.
+    canary: bool,
+    /// Its move-ledger meeting (kept for a delivery set aside).
+    met: Option<(String, bool)>,
 }
 
 pub(super) enum End {
     Drained,
     TooManyReturns(u64, String),
     Cancelled,
+    /// A check before (or, for the signatures, during) the drain says stop: `Failed`, why.
+    Refused(String),
+    /// A canary did not pass and the replay stops ([`crate::canary::Tracker::stop`]).
+    CanaryFailed(String),
+    /// The queue a canary would land on failed its pre-flight (why, which queues): the pass
+    /// ends, handing back what it holds, and waits for the checks to pass.
+    Pending(String, Vec<String>),
     Error(Error),
 }
 
@@ -151,10 +185,25 @@ pub(super) struct Drain<'a> {
     /// A step had publishes left unconfirmed: the pass ends, and what later steps failed stays
     /// in the queue for the next pass to decide (and count).
     ending: bool,
-    /// The signatures the canaries proved; the others' messages stay in the queue.
-    pub(super) proven: proven::Proven,
-    /// Messages held back because no canary met their signature, per signature.
-    unproven: std::collections::BTreeMap<String, u64>,
+    /// The signatures and their canaries.
+    pub(super) canary: Tracker,
+    /// Deliveries set aside, by delivery tag.
+    aside: BTreeMap<u64, Aside>,
+    /// Set-aside deliveries whose wait is over, in order, for the next steps.
+    released: VecDeque<Aside>,
+    /// A verdict came in: look for set-aside deliveries to release.
+    release_due: bool,
+    /// The first look-ahead found nothing more to read.
+    opening_idle: bool,
+    /// A signature past `canary.maxSignatures` was met: the pass ends (why).
+    refused: Option<String>,
+    /// Landing queues that passed their pre-flight in this pass.
+    checked: HashMap<String, tokio::time::Instant>,
+    last_look: Option<tokio::time::Instant>,
+    last_recheck: Option<tokio::time::Instant>,
+    last_overdue_check: Option<tokio::time::Instant>,
+    /// The source connection (the return watch's queue is its own).
+    pub(super) src_conn: Option<Arc<Connection>>,
     /// Messages of this replay that came back (by fingerprint) behind the pass's bound.
     returns_behind: HashSet<String>,
     last_return_check: Option<tokio::time::Instant>,
@@ -207,8 +256,17 @@ impl<'a> Drain<'a> {
             failed_keys: HashMap::new(),
             closed_on: None,
             ending: false,
-            proven: Default::default(),
-            unproven: Default::default(),
+            canary: Tracker::new(&replay.spec.canary, Vec::new()),
+            aside: BTreeMap::new(),
+            released: VecDeque::new(),
+            release_due: false,
+            opening_idle: false,
+            refused: None,
+            checked: HashMap::new(),
+            last_look: None,
+            last_recheck: None,
+            last_overdue_check: None,
+            src_conn: None,
             returns_behind: Default::default(),
             last_return_check: None,
             keeper: None,
@@ -233,25 +291,24 @@ impl<'a> Drain<'a> {
         let mut flights: VecDeque<Flight> = VecDeque::new();
         let mut stalled = Duration::ZERO;
         let end = loop {
+            let idle = flights.is_empty() && self.pending.is_empty();
+            match self.canary_turn(opts, progress, idle).await {
+                Ok(Some(end)) => break end,
+                Ok(None) => {}
+                Err(e) => break End::Error(e),
+            }
             let busy = flights.iter().map(Flight::len).sum();
-            if let Some(more) = self.room(busy, false, cancel) {
-                // Never wait for deliveries while a step's confirms (or a move's) may be ready.
-                let wait = if flights.is_empty() && self.pending.is_empty() {
-                    opts.idle
-                } else {
-                    Duration::ZERO
-                };
-                let Some(src) = self.source.as_mut() else {
-                    break End::Drained;
-                };
-                let deliveries = match src.next_batch(more, wait).await {
-                    Ok(d) => d,
-                    Err(e) => break End::Error(e),
-                };
-                if !deliveries.is_empty() {
+            // Never wait for deliveries while a step's confirms (or a move's) may be ready.
+            let wait = if idle { opts.idle } else { Duration::ZERO };
+            let next = match self.next_inputs(busy, false, wait, cancel).await {
+                Ok(n) => n,
+                Err(e) => break End::Error(e),
+            };
+            if let Some((inputs, fresh)) = next {
+                if !inputs.is_empty() {
                     stalled = Duration::ZERO;
-                    match self.admit(deliveries).await {
-                        Ok(f) => flights.push_back(f),
+                    match self.admit(inputs, fresh).await {
+                        Ok(f) => flights.extend(f),
                         Err((f, e)) => {
                             flights.extend(f);
                             break End::Error(e);
@@ -259,7 +316,12 @@ impl<'a> Drain<'a> {
                     }
                     continue;
                 }
-                if flights.is_empty() && self.pending.is_empty() {
+                if idle && self.canary.opening() {
+                    // Nothing more to read now: the first look-ahead is what there is.
+                    self.opening_idle = true;
+                    continue;
+                }
+                if idle && !self.canary_holds() {
                     match self.queue_is_empty().await {
                         Ok(true) => break End::Drained,
                         Ok(false) if stalled >= opts.stall => {
@@ -273,6 +335,9 @@ impl<'a> Drain<'a> {
                     }
                     continue;
                 }
+                if idle {
+                    continue;
+                }
             }
             let Some(flight) = flights.pop_front() else {
                 // Nothing in flight but moves: their originals' acks come before the pass's
@@ -283,17 +348,25 @@ impl<'a> Drain<'a> {
                     }
                     continue;
                 }
-                break if cancel.is_cancelled() {
-                    End::Cancelled
-                } else {
-                    End::Drained
-                };
+                if cancel.is_cancelled() {
+                    break End::Cancelled;
+                }
+                if self.canary_holds() {
+                    // Waiting for the canaries: look again in a moment.
+                    self.report(progress);
+                    tokio::select! {
+                        _ = tokio::time::sleep(opts.look) => {}
+                        _ = cancel.cancelled() => {}
+                    }
+                    continue;
+                }
+                break End::Drained;
             };
             let items = self.confirmed(flight).await;
             // The next step, if it may follow once this one has landed, is admitted with it.
             let busy = flights.iter().map(Flight::len).sum();
-            let next = match self.following(busy, cancel).await {
-                Ok(next) => next,
+            let next = match self.next_inputs(busy, true, Duration::ZERO, cancel).await {
+                Ok(next) => next.filter(|(n, _)| !n.is_empty()),
                 Err(e) => {
                     if let Err(e) = self.settle(items).await {
                         tracing::debug!(error = %e, "landing a step after the pass ended");
@@ -301,24 +374,27 @@ impl<'a> Drain<'a> {
                     break End::Error(e);
                 }
             };
-            if next.is_empty() {
-                if let Err(e) = self.settle(items).await {
-                    break End::Error(e);
+            match next {
+                None => {
+                    if let Err(e) = self.settle(items).await {
+                        break End::Error(e);
+                    }
                 }
-            } else {
-                let (landed, admitted) = self.settle_and_admit(items, next).await;
-                let admitted = match admitted {
-                    Ok(f) => {
-                        flights.push_back(f);
-                        None
+                Some((inputs, fresh)) => {
+                    let (landed, admitted) = self.settle_and_admit(items, inputs, fresh).await;
+                    let admitted = match admitted {
+                        Ok(f) => {
+                            flights.extend(f);
+                            None
+                        }
+                        Err((f, e)) => {
+                            flights.extend(f);
+                            Some(e)
+                        }
+                    };
+                    if let Some(e) = landed.err().or(admitted) {
+                        break End::Error(e);
                     }
-                    Err((f, e)) => {
-                        flights.extend(f);
-                        Some(e)
-                    }
-                };
-                if let Some(e) = landed.err().or(admitted) {
-                    break End::Error(e);
                 }
             }
             if flights.is_empty() {
@@ -335,59 +411,97 @@ impl<'a> Drain<'a> {
         end
     }
 
-    /// How many deliveries the next step may take, or `None` when nothing is to be admitted
-    /// now: the window is full, the pass met its bound, the replay is stopping, or the next
-    /// delivery is the pass's last one (taken alone once everything before it is acked, see
-    /// [`source::get_one`]).
+    /// What the next step may take: released set-aside deliveries first, else fresh ones
+    /// (`true`), waiting up to `wait` for them. `None` when nothing is to be admitted now (see
+    /// [`Drain::room`]); an empty batch when nothing was ready.
+    async fn next_inputs(
+        &mut self,
+        busy: usize,
+        landing: bool,
+        wait: Duration,
+        cancel: &CancellationToken,
+    ) -> Result<Option<(Vec<Input>, bool)>, Error> {
+        // A wait that ends with a search of the queue needs the drain still.
+        if cancel.is_cancelled() || self.canary.unwatched_due() {
+            return Ok(None);
+        }
+        if !self.released.is_empty() {
+            return Ok(self
+                .window_room(busy, landing)
+                .map(|n| (self.take_released(n), false)));
+        }
+        let Some(more) = self.room(busy, landing, cancel) else {
+            return Ok(None);
+        };
+        let Some(src) = self.source.as_mut() else {
+            return Ok(None);
+        };
+        let deliveries = src.next_batch(more, wait).await?;
+        Ok(Some((self.fresh(deliveries), true)))
+    }
+
+    /// How many deliveries the window lets the next step take: while a step is in flight, only
+    /// a whole step.
+    fn window_room(&self, busy: usize, landing: bool) -> Option<usize> {
+        let in_flight = landing || busy > 0 || !self.pending.is_empty();
+        let free = self.window.saturating_sub(busy);
+        if in_flight && free < self.step {
+            return None;
+        }
+        Some(self.step.min(free.max(1)))
+    }
+
+    /// How many fresh deliveries the next step may take, or `None` when none is to be read
+    /// now: the window is full, the pass met its bound, the replay is stopping, the canaries'
+    /// look-ahead is full, or the next delivery is the pass's last one (taken alone once every
+    /// delivery before it is acked, none set aside: see [`source::get_one`]).
     fn room(&self, busy: usize, landing: bool, cancel: &CancellationToken) -> Option<usize> {
         if cancel.is_cancelled() || self.seen >= self.bound || self.source.is_none() {
             return None;
         }
-        let in_flight = landing || busy > 0 || !self.pending.is_empty();
-        let free = self.window.saturating_sub(busy);
-        let last = self.source.as_ref().is_some_and(Source::at_last);
-        // While a step is in flight, admit only a whole step, and never the pass's last message.
-        if in_flight && (free < self.step || last) {
+        // At most the look-ahead set aside: a step reads no more than it has room for.
+        let ahead = if self.canary.enabled() {
+            self.canary.look_ahead().checked_sub(self.aside.len())?
+        } else {
+            usize::MAX
+        };
+        if ahead == 0 {
             return None;
         }
-        Some(
-            self.step
-                .min(free.max(1))
-                .min((self.bound - self.seen) as usize),
-        )
+        let in_flight = landing || busy > 0 || !self.pending.is_empty();
+        let last = self.source.as_ref().is_some_and(Source::at_last);
+        if last && (in_flight || !self.aside.is_empty()) {
+            return None;
+        }
+        let n = self.window_room(busy, landing)?;
+        Some(n.min(ahead).min((self.bound - self.seen) as usize))
     }
 
-    /// Classify, gate and send one step (see [`Drain::settle_and_admit`] for what a failure hands
-    /// back).
+    /// Classify, check the canaries' ground, set aside, gate and send one step (`None`: all of
+    /// it was set aside; see [`Drain::settle_and_admit`] for what a failure hands back).
     async fn admit(
         &mut self,
-        deliveries: Vec<Delivery>,
-    ) -> Result<Flight, (Option<Flight>, Error)> {
-        let mut items = self.classify(deliveries);
+        inputs: Vec<Input>,
+        fresh: bool,
+    ) -> Result<Option<Flight>, (Option<Flight>, Error)> {
+        let mut items = self.classify(inputs, fresh);
+        if let Err(e) = self.prepare_canaries(&mut items).await {
+            return Err((None, e));
+        }
+        self.set_aside(&mut items);
+        if items.is_empty() {
+            return Ok(None);
+        }
         if let Err(e) = self.gate(&mut items).await {
             return Err((None, e));
         }
         match self.send(&mut items).await {
-            Ok(confirms) => Ok(Flight {
+            Ok(confirms) => Ok(Some(Flight {
                 items,
                 confirms,
                 sent: std::time::Instant::now(),
-            }),
+            })),
             Err(e) => Err((Some(unsent(items)), e)),
-        }
-    }
-
-    /// The deliveries of the step that may follow the one landing now (none when the window or
-    /// the last-message rule says wait, or none are ready).
-    async fn following(
-        &mut self,
-        busy: usize,
-        cancel: &CancellationToken,
-    ) -> Result<Vec<Delivery>, Error> {
-        let more = self.room(busy, true, cancel);
-        match (more, self.source.as_mut()) {
-            (Some(more), Some(src)) => src.next_batch(more, Duration::ZERO).await,
-            _ => Ok(Vec::new()),
         }
     }
 
@@ -403,11 +517,21 @@ impl<'a> Drain<'a> {
     async fn settle_and_admit(
         &mut self,
         items: Vec<Item>,
-        deliveries: Vec<Delivery>,
-    ) -> (Result<(), Error>, Result<Flight, (Option<Flight>, Error)>) {
+        inputs: Vec<Input>,
+        fresh: bool,
+    ) -> (
+        Result<(), Error>,
+        Result<Option<Flight>, (Option<Flight>, Error)>,
+    ) {
+        let mut next = self.classify(inputs, fresh);
+        if let Err(e) = self.prepare_canaries(&mut next).await {
+            // Nothing of the next step is sent: it stays unacked, back in the queue when the
+            // pass closes.
+            return (self.settle(items).await, Err((None, e)));
+        }
+        self.set_aside(&mut next);
         let mut items = items;
         let record = self.record(&mut items);
-        let next = self.classify(deliveries);
         let mut keeper = self.keeper.take();
         let (moves, (answer, admitted)) = tokio::join!(
             settle::keep_moves(keeper.as_mut(), &items),
@@ -428,7 +552,7 @@ impl<'a> Drain<'a> {
         mut next: Vec<Item>,
     ) -> (
         Result<(u64, u64), Error>,
-        Result<Flight, (Option<Flight>, Error)>,
+        Result<Option<Flight>, (Option<Flight>, Error)>,
     ) {
         let ask = gate::Ask::of(&next);
         let claim = gate::claim(self.replay, &self.claim_value);
@@ -443,14 +567,17 @@ impl<'a> Drain<'a> {
         self.decide(&mut next, &ask, lookups);
         // The landing step's record (`self.ending`: an unconfirmed publish) ends the pass.
         if answer.is_err() || self.ending {
-            return (answer, Ok(unsent(next)));
+            return (answer, Ok(Some(unsent(next)).filter(|f| f.len() > 0)));
+        }
+        if next.is_empty() {
+            return (answer, Ok(None));
         }
         let admitted = match self.send(&mut next).await {
-            Ok(confirms) => Ok(Flight {
+            Ok(confirms) => Ok(Some(Flight {
                 items: next,
                 confirms,
                 sent: std::time::Instant::now(),
-            }),
+            })),
             Err(e) => Err((Some(unsent(next)), e)),
         };
         (answer, admitted)

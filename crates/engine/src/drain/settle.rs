@@ -179,6 +179,9 @@ impl Drain<'_> {
         // Kept messages (skipped, failed) are acked by their moves ([`Record::moved`]), never
         // here.
         for item in items.iter_mut() {
+            if item.canary {
+                self.canary_landed(item);
+            }
             let (decision, reason, destination) = match &item.act {
                 Act::AlreadySettled => {
                     acks.push(item.delivery.delivery_tag);
@@ -250,8 +253,8 @@ impl Drain<'_> {
                     }
                     continue;
                 }
-                // Publish resolves every Replay and Quarantine.
-                Act::Replay(_) | Act::Quarantine(_) => continue,
+                // Publish resolves every Replay and Quarantine; set-aside ones left the step.
+                Act::Replay(_) | Act::Quarantine(_) | Act::Aside(_) => continue,
             };
             delta.scanned += 1;
             if decision != Decision::Failed {
@@ -276,7 +279,7 @@ impl Drain<'_> {
                 key: item.key.take().unwrap_or_default(),
                 reason,
                 destination,
-                canary: false,
+                canary: item.canary,
                 time: time.clone(),
                 signature: std::mem::take(&mut item.signature),
             });
