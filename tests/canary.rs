@@ -550,3 +550,108 @@ async fn returns_while_draining_above_the_ratio_stop_the_replay(t: Target) {
     assert_eq!(dlq.len() as u64 - returned, 60 - c.replayed, "{c:?}");
     w.cleanup().await;
 }
+
+/// A worker that processes everything and records each message id it received.
+async fn recording_worker(w: &World) -> std::sync::Arc<std::sync::Mutex<Vec<String>>> {
+    let got = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = got.clone();
+    let ch = w.conn.create_channel().await.unwrap();
+    let mut consumer = ch
+        .basic_consume(
+            w.topo.work.as_str().into(),
+            "test-recorder".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    tokio::spawn(async move {
+        let _ch = ch;
+        while let Some(Ok(d)) = consumer.next().await {
+            let id = d
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|m| m.to_string())
+                .unwrap_or_default();
+            seen.lock().unwrap().push(id);
+            d.ack(BasicAckOptions::default()).await.unwrap();
+        }
+    });
+    got
+}
+
+matrix!(a_kill_9_during_a_canary_wait_resumes_without_sending_proven_canaries_again);
+async fn a_kill_9_during_a_canary_wait_resumes_without_sending_proven_canaries_again(t: Target) {
+    let w = World::on("canary-kill", &t).await;
+    let mut jobs: Vec<_> = (0..6)
+        .map(|i| typed(&format!("t{i}"), "TimeoutError"))
+        .collect();
+    jobs.extend((0..4).map(|i| typed(&format!("k{i}"), "KeyError")));
+    w.dead_letter(jobs).await;
+    let got = recording_worker(&w).await;
+    let resource = w.manifest(&format!(
+        "{}  canary: {{enabled: true, waitSeconds: 5, lookAhead: 3}}\n",
+        w.idempotency("Claim")
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("replay.yaml");
+    std::fs::write(&file, serde_yaml::to_string(&resource).unwrap()).unwrap();
+    let cli = || {
+        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_dlq-replay"));
+        cmd.args(["run", "--no-progress", "-o", "json", "-f"])
+            .arg(&file)
+            .env("REDIS_URL", REDIS)
+            .env_remove("AMQP_URL")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true);
+        cmd
+    };
+    // TimeoutError's canary passes, its messages drain; KeyError, past the look-ahead, gets its
+    // canary when the drain meets it: kill -9 in the middle of that wait.
+    let mut child = cli().spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !got.lock().unwrap().iter().any(|id| id == "k0") {
+        assert!(Instant::now() < deadline, "k0 never arrived: {:?}", got.lock().unwrap());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(child.try_wait().unwrap().is_none(), "it ended before the kill");
+    child.start_kill().unwrap();
+    let _ = child.wait().await;
+    let out = cli().output().await.unwrap();
+    let printed: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+    let status: ReplayStatus = serde_json::from_value(printed["status"].clone()).unwrap();
+    assert_eq!(status.phase, Some(Phase::Done), "{status:?}");
+    assert_eq!(w.depth(&w.topo.dlq).await, 0);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut received = got.lock().unwrap().clone();
+    received.sort();
+    let mut all: Vec<String> = (0..6)
+        .map(|i| format!("t{i}"))
+        .chain((0..4).map(|i| format!("k{i}")))
+        .collect();
+    all.sort();
+    assert_eq!(received, all, "every job once, none twice");
+    // The proven signature's canary went once; KeyError's, out at the kill, went again (the
+    // next KeyError job), and both its canaries are in the audit trail.
+    let audit = w.audit(&status).await;
+    let canaries: Vec<&str> = audit
+        .iter()
+        .filter(|r| r.canary)
+        .map(|r| r.message.as_str())
+        .collect();
+    assert_eq!(canaries, ["t0", "k0", "k1"], "{audit:?}");
+    let results: Vec<_> = status
+        .canary
+        .iter()
+        .map(|c| (c.message_id.as_str(), c.result))
+        .collect();
+    assert_eq!(
+        results,
+        [("t0", CanaryResult::Passed), ("k1", CanaryResult::Passed)]
+    );
+    w.cleanup().await;
+}

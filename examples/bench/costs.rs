@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use redis::aio::ConnectionManager;
 
+use crate::counters::Published;
 use crate::footprint::{info_field, redis_info, Footprint};
 
 /// What one timed run measured.
@@ -30,6 +31,19 @@ pub(crate) struct Run {
     /// Allocations of the process (a binary built with `--features count-allocs` prints them
     /// at exit), none otherwise.
     pub(crate) allocs: Option<u64>,
+    /// What a `dlq-replay run` ended with (none for Shovel and the bare client).
+    pub(crate) outcome: Option<Outcome>,
+}
+
+/// What a `dlq-replay run` ended with, beyond its timings.
+#[derive(Debug, Clone)]
+pub(crate) struct Outcome {
+    /// The final `status` it printed.
+    pub(crate) status: serde_json::Value,
+    /// When it was spawned (wall clock), to place the status's timestamps in the run.
+    pub(crate) spawned: chrono::DateTime<chrono::Utc>,
+    /// What the broker counted (with `Extras::publishes`).
+    pub(crate) published: Option<Published>,
 }
 
 /// Redis's own counters over a run (INFO cpu, INFO commandstats).

@@ -13,8 +13,9 @@ use serde_json::Value;
 
 use crate::broker::Section;
 use crate::costs::{
-    parse_allocs, parse_time, poll_hwm, redis_counters, redis_delta, rss_text, Run,
+    parse_allocs, parse_time, poll_hwm, redis_counters, redis_delta, rss_text, Outcome, Run,
 };
+use crate::counters::Published;
 use crate::footprint::{redis_bytes, sample_redis, used_memory_settled, Footprint, ReplayKeys};
 use crate::setup::{job_id, Bench};
 use crate::NAMESPACE;
@@ -35,6 +36,10 @@ pub(crate) struct Extras {
     pub(crate) audit_log: bool,
     /// Weigh the replay's Redis keys while it runs and after it ends (`Run::footprint`).
     pub(crate) footprint: bool,
+    /// The jobs' `x-exception-type`, cycling (their failure signatures); empty: one for all.
+    pub(crate) exceptions: &'static [&'static str],
+    /// Read the broker's own counters before and after the replay (`Outcome::published`).
+    pub(crate) publishes: bool,
 }
 
 impl Bench {
@@ -50,7 +55,7 @@ impl Bench {
     ) -> (Run, Vec<f64>) {
         let rate = extras.rate;
         let prefix = self.prefix(scenario);
-        let topo = self.build_dlq(s, &prefix, n).await;
+        let topo = self.build_dlq(s, &prefix, n, extras.exceptions).await;
         let idem = idem_prefix(&prefix);
         let done = if rate.is_none() {
             self.mark_done(&idem, n).await
@@ -72,6 +77,13 @@ impl Bench {
         let clocked = extras.clock || rate.is_some() || extras.canary_wait.is_some();
         let arrivals = if clocked {
             Some(self.arrival_clock(s, &topo.work, n - done).await)
+        } else {
+            None
+        };
+        // The broker's counters, before the harness's own publishes of the run start.
+        let counted = [topo.dlq.as_str(), topo.quarantine.as_str()];
+        let counts0 = if extras.publishes {
+            self.brokers[s.broker].counts(&counted).await
         } else {
             None
         };
@@ -123,6 +135,7 @@ impl Bench {
         let redis0 = redis_counters(&mut self.redis).await;
         let usage0 = self.cpu(s);
         let started = Instant::now();
+        let spawned = chrono::Utc::now();
         let child = cmd.spawn().expect("spawn dlq-replay");
         let sampler = keys.clone().map(|k| {
             let (stop, stopped) = tokio::sync::oneshot::channel();
@@ -166,6 +179,11 @@ impl Bench {
             Some(u) => Some(u.stop().await),
             None => None,
         };
+        // Once the harness stopped publishing too.
+        let counts1 = match counts0 {
+            Some(_) => self.brokers[s.broker].counts(&counted).await,
+            None => None,
+        };
         let (rss_kib, cpu) = if self.time_rss {
             parse_time(&std::fs::read_to_string(&rss_file).unwrap_or_default())
         } else {
@@ -189,6 +207,21 @@ impl Bench {
             .unwrap_or(Value::Null);
         let count = |k: &str| status["counts"][k].as_u64().unwrap_or(u64::MAX);
         let (replayed, dups) = (count("replayed"), count("duplicates"));
+        let published = match (&counts0, &counts1) {
+            (Some(before), Some(after)) => Some(Published::between(
+                before,
+                after,
+                unrelated.unwrap_or(0),
+                status["counts"]["returned"].as_u64().unwrap_or(0),
+            )),
+            (Some(_), None) | (None, Some(_)) => {
+                self.problems.push(format!(
+                    "{prefix}: rabbitmqctl did not give the broker's counters"
+                ));
+                None
+            }
+            (None, None) => None,
+        };
         let ch = self.channel(s).await;
         let target = self.depth(&ch, &topo.work).await as u64;
         // Every unrelated dead letter is still in the DLQ: behind the pass, or held back.
@@ -235,6 +268,11 @@ impl Bench {
             replayed,
             redis_info,
             allocs: parse_allocs(&out.stderr),
+            outcome: Some(Outcome {
+                status: status.clone(),
+                spawned,
+                published,
+            }),
         };
         let cpu_text = run
             .cpu
@@ -357,7 +395,7 @@ impl Bench {
         tokio::spawn(async move {
             let mut seen = Vec::with_capacity(n);
             while seen.len() < n {
-                // The first may wait out a canary's selection pass over a large DLQ.
+                // The first may wait out the broker and a slow start (a canary's wait, too).
                 let wait = Duration::from_secs(if seen.is_empty() { 600 } else { 60 });
                 match tokio::time::timeout(wait, consumer.next()).await {
                     Ok(Some(Ok(_))) => seen.push(Instant::now()),

@@ -151,19 +151,31 @@ impl Bench {
     }
 
     /// A fresh topology under `prefix`, of the section's broker and queue type, whose DLQ holds
-    /// `n` bench jobs with real x-death headers.
-    pub(crate) async fn build_dlq(&self, s: &Section, prefix: &str, n: usize) -> Topology {
+    /// `n` bench jobs with real x-death headers (`exceptions`: see [`jobs`]).
+    pub(crate) async fn build_dlq(
+        &self,
+        s: &Section,
+        prefix: &str,
+        n: usize,
+        exceptions: &[&str],
+    ) -> Topology {
         let t = Instant::now();
         let topo = Topology::named(prefix).of_type(s.queue_type);
         let ch = self.channel(s).await;
         topo.declare(&ch).await.expect("topology");
-        fixture::dead_letter(&ch, &topo, jobs(n))
-            .await
-            .expect("dead letters");
+        // In chunks: a million jobs built at once would hold over a gigabyte here and in the
+        // work queue before the first is dead-lettered.
+        for start in (0..n).step_by(FILL_CHUNK) {
+            let end = (start + FILL_CHUNK).min(n);
+            fixture::dead_letter(&ch, &topo, jobs(start..end, exceptions))
+                .await
+                .expect("dead letters");
+        }
         let _ = ch.close(200, "ok".into()).await;
         println!(
-            "  [{prefix}] built DLQ {} with {n} dead letters in {:.1}s",
+            "  [{prefix}] built DLQ {} with {n} dead letters{} in {:.1}s",
             topo.dlq,
+            signatures_text(exceptions),
             t.elapsed().as_secs_f64()
         );
         // Let the broker finish writing the persistent messages before a clock starts.
@@ -191,9 +203,20 @@ pub(crate) fn job_id(i: usize) -> String {
     format!("bench-{i:07}")
 }
 
-/// The bench jobs: `{"id": ..., "attempt": ..., "padding": ...}` of about BODY_BYTES bytes.
-pub(crate) fn jobs(n: usize) -> Vec<(BasicProperties, Vec<u8>)> {
-    (0..n)
+/// Jobs dead-lettered per `fixture::dead_letter` call when a DLQ is built.
+const FILL_CHUNK: usize = 100_000;
+
+/// The exception of every job when none is asked for: one failure signature.
+const EXCEPTION: &str = "TimeoutError";
+
+/// The bench jobs numbered `range`: `{"id": ..., "kind": ..., "padding": ...}` of about
+/// BODY_BYTES bytes, job i failed with `exceptions[i % len]` (its `x-exception-type`, the
+/// canary's signature), or all with [`EXCEPTION`] when `exceptions` is empty.
+pub(crate) fn jobs(
+    range: std::ops::Range<usize>,
+    exceptions: &[&str],
+) -> Vec<(BasicProperties, Vec<u8>)> {
+    range
         .map(|i| {
             let id = job_id(i);
             let base = json!({"id": id, "kind": "bench", "padding": ""})
@@ -202,11 +225,24 @@ pub(crate) fn jobs(n: usize) -> Vec<(BasicProperties, Vec<u8>)> {
             let padding: String = (0..BODY_BYTES.saturating_sub(base))
                 .map(|k| (b'a' + ((i + k) % 26) as u8) as char)
                 .collect();
+            let exception = match exceptions {
+                [] => EXCEPTION,
+                some => some[i % some.len()],
+            };
             fixture::job(
                 &id,
                 json!({"id": id, "kind": "bench", "padding": padding}),
-                "TimeoutError",
+                exception,
             )
         })
         .collect()
+}
+
+/// `, x-exception-type cycling A,B,C` in a build line when the jobs have several signatures.
+pub(crate) fn signatures_text(exceptions: &[&str]) -> String {
+    if exceptions.len() > 1 {
+        format!(", x-exception-type cycling {}", exceptions.join(","))
+    } else {
+        String::new()
+    }
 }

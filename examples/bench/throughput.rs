@@ -155,7 +155,7 @@ impl Bench {
     /// RabbitMQ's dynamic Shovel moving the DLQ to a plain queue of the same type.
     pub(crate) async fn shovel(&mut self, s: &Section, rep: usize, n: usize) -> Run {
         let prefix = self.prefix(&format!("{}shovel{rep}", s.tag));
-        let topo = self.build_dlq(s, &prefix, n).await;
+        let topo = self.build_dlq(s, &prefix, n, &[]).await;
         let dest = format!("{prefix}.dest");
         let ch = self.channel(s).await;
         ch.queue_declare(
@@ -260,6 +260,7 @@ impl Bench {
             replayed: n as u64,
             redis_info,
             allocs: None,
+            outcome: None,
         };
         println!(
             "  shovel run {rep}{}: {wall:.2}s, {:.0} msg/s (set_parameter CLI took {:.2}s, {moved_at_return} moved before it returned); broker {:.2} CPU/s; {}; {}",
@@ -281,7 +282,7 @@ impl Bench {
     pub(crate) async fn bare(&mut self, s: &Section, rep: usize, n: usize, window: usize) -> Run {
         use std::collections::VecDeque;
         let prefix = self.prefix(&format!("{}bare{rep}", s.tag));
-        let topo = self.build_dlq(s, &prefix, n).await;
+        let topo = self.build_dlq(s, &prefix, n, &[]).await;
         let dest = format!("{prefix}.dest");
         let amqp = self.brokers[s.broker].amqp.clone();
         let src_conn = engine::connect_amqp(&amqp, "bench bare source")
@@ -403,6 +404,7 @@ impl Bench {
             replayed: n as u64,
             redis_info,
             allocs: None,
+            outcome: None,
         };
         println!(
             "  bare run {rep}{} (window {window}): {wall:.2}s, {:.0} msg/s; user {:.2}s sys {:.2}s; broker {:.2} CPU/s; {}; {}",
