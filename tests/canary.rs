@@ -263,7 +263,10 @@ async fn a_signature_first_met_past_the_look_ahead_gets_its_canary_when_met(t: T
     assert_eq!(status.phase, Some(Phase::Done), "{status:?}");
     assert_eq!(status.counts.replayed, 13, "{:?}", status.counts);
     assert_eq!(status.canary.len(), 2, "{:?}", status.canary);
-    assert!(status.canary.iter().all(|c| c.result == CanaryResult::Passed));
+    assert!(status
+        .canary
+        .iter()
+        .all(|c| c.result == CanaryResult::Passed));
     let (timeout, key) = (
         sent_at(&status, "x-exception-type=TimeoutError"),
         sent_at(&status, "x-exception-type=KeyError"),
@@ -314,8 +317,14 @@ async fn a_canary_that_returns_while_others_were_proven_holds_only_its_signature
         .iter()
         .map(|c| (c.signature.as_str(), c.result))
         .collect();
-    assert_eq!(results["x-exception-type=TimeoutError"], CanaryResult::Passed);
-    assert_eq!(results["x-exception-type=KeyError"], CanaryResult::DiedAgain);
+    assert_eq!(
+        results["x-exception-type=TimeoutError"],
+        CanaryResult::Passed
+    );
+    assert_eq!(
+        results["x-exception-type=KeyError"],
+        CanaryResult::DiedAgain
+    );
     assert_eq!(status.counts.replayed, 8 + 1, "{:?}", status.counts);
     assert_eq!(status.counts.returned, 1, "{:?}", status.counts);
     let msg = status.message.clone().unwrap_or_default();
@@ -363,7 +372,11 @@ async fn stop_replay_ends_the_replay_at_a_returned_canary(t: Target) {
     let msg = status.message.clone().unwrap_or_default();
     assert!(msg.contains("StopReplay"), "{msg}");
     // Both canaries left together; KeyError's came back long before TimeoutError's wait ended.
-    assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
     assert_eq!(status.counts.replayed, 2, "{:?}", status.counts);
     // Everything else is in the DLQ, with the returned canary.
     let after = ids(&w.peek(&w.topo.dlq).await);
@@ -613,11 +626,18 @@ async fn a_kill_9_during_a_canary_wait_resumes_without_sending_proven_canaries_a
     let mut child = cli().spawn().unwrap();
     let deadline = Instant::now() + Duration::from_secs(60);
     while !got.lock().unwrap().iter().any(|id| id == "k0") {
-        assert!(Instant::now() < deadline, "k0 never arrived: {:?}", got.lock().unwrap());
+        assert!(
+            Instant::now() < deadline,
+            "k0 never arrived: {:?}",
+            got.lock().unwrap()
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
-    assert!(child.try_wait().unwrap().is_none(), "it ended before the kill");
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "it ended before the kill"
+    );
     child.start_kill().unwrap();
     let _ = child.wait().await;
     let out = cli().output().await.unwrap();

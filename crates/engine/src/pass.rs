@@ -175,7 +175,7 @@ impl<'a> Pass<'a> {
         status.canary = tracker.status();
         let depth = source_depth(&conn, &replay.spec).await?;
         status.phase = Some(if tracker.enabled() {
-            Phase::Canary
+            Phase::Pending
         } else {
             Phase::Draining
         });

@@ -10,9 +10,9 @@ use std::collections::{BTreeMap, HashSet};
 use serde::Serialize;
 
 use crate::classify::{self, Rules, SkipReason, Verdict};
+use crate::message;
 use crate::scan::Scan;
 use crate::spec::IdempotencyMode;
-use crate::message;
 use crate::status::{CanaryResult, CanaryStatus, Counts, Phase, ReplayStatus};
 use crate::store::Held;
 use crate::Error;
@@ -120,7 +120,9 @@ pub async fn plan(replay: &Replay) -> Result<PlanReport, Error> {
             }
             Verdict::Replay { key: Some(k), .. } if con.is_some() => {
                 selected += 1;
-                let id = canaries.wants(&sig).then(|| message::identity(&d.properties, &d.data));
+                let id = canaries
+                    .wants(&sig)
+                    .then(|| message::identity(&d.properties, &d.data));
                 pending.push((k, sig, id));
             }
             Verdict::Replay { .. } => {
@@ -133,10 +135,24 @@ pub async fn plan(replay: &Replay) -> Result<PlanReport, Error> {
         }
         scan.keep(msg).await?;
         if pending.len() >= 256 {
-            resolve(replay, con.as_mut(), &mut pending, &mut report, &mut canaries).await?;
+            resolve(
+                replay,
+                con.as_mut(),
+                &mut pending,
+                &mut report,
+                &mut canaries,
+            )
+            .await?;
         }
     }
-    resolve(replay, con.as_mut(), &mut pending, &mut report, &mut canaries).await?;
+    resolve(
+        replay,
+        con.as_mut(),
+        &mut pending,
+        &mut report,
+        &mut canaries,
+    )
+    .await?;
     scan.finish().await?;
     // What `run` would refuse, said to the reviewer before it is applied.
     let decided = report.counts.scanned - report.counts.skipped;

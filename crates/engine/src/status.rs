@@ -18,7 +18,8 @@ pub enum Phase {
     Draining,
     /// Every selected message has its outcome.
     Done,
-    /// Every canary came back: the fix does not hold. Nothing else was replayed.
+    /// A canary came back: every canary did (`canary.onFailure: HoldSignature`), or one did with
+    /// `StopReplay`. The fix does not hold; what was not replayed stays in the dead-letter queue.
     CanaryFailed,
     /// Stopped with an error; what is not settled is still in the dead-letter queue.
     Failed,

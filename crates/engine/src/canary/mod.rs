@@ -25,6 +25,6 @@ mod preflight;
 pub(crate) mod search;
 mod track;
 
-pub use preflight::preflight;
 pub(crate) use preflight::landing_queue;
+pub use preflight::preflight;
 pub(crate) use track::{Gate, Tracker};

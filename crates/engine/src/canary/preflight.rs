@@ -38,9 +38,9 @@ pub async fn preflight(
             }
             Some((n, _)) if u64::from(n) > spec.canary.max_backlog => {
                 return Ok(Some(format!(
-                    "Backlog: target queue {q:?} holds {n} messages, more than canary.maxBacklog {}",
-                    spec.canary.max_backlog
-                )))
+                "Backlog: target queue {q:?} holds {n} messages, more than canary.maxBacklog {}",
+                spec.canary.max_backlog
+            )))
             }
             Some(_) => {}
         }

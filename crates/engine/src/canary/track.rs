@@ -72,6 +72,8 @@ pub(crate) struct Tracker {
     opening_sigs: BTreeMap<String, Option<String>>,
     /// Verdicts not stored yet.
     changed: bool,
+    /// Counts every change of a canary (sent, decided), for the status to follow.
+    pub revision: u64,
     /// Canaries published by this pass, and how many of them came back (the drain's return
     /// ratio is about the messages replayed on the canaries' word, not the canaries).
     pub sent: u64,
@@ -109,6 +111,7 @@ impl Tracker {
             opening_poison: 0,
             opening_sigs: BTreeMap::new(),
             changed: false,
+            revision: 0,
             sent: 0,
             came_back: 0,
             held: BTreeMap::new(),
@@ -262,6 +265,7 @@ impl Tracker {
         self.sigs.insert(signature.to_string(), Sig::Out(i));
         self.sent += 1;
         self.changed = true;
+        self.revision += 1;
     }
 
     /// The canary of `signature` could not be published (nacked, unroutable): its signature is
@@ -280,6 +284,7 @@ impl Tracker {
         let i = self.canaries.len() - 1;
         self.sigs.insert(signature.to_string(), Sig::Decided(i));
         self.changed = true;
+        self.revision += 1;
     }
 
     /// A dead letter of this replay came back: when it is a canary that is out, its signature
@@ -350,6 +355,7 @@ impl Tracker {
         c.reason = reason;
         self.sigs.insert(c.signature.clone(), Sig::Decided(i));
         self.changed = true;
+        self.revision += 1;
     }
 
     /// Whether a canary is chosen or out (its signature's messages wait).
@@ -382,9 +388,8 @@ impl Tracker {
             .filter(|c| c.result != CanaryResult::Waiting && !passed(c.result))
             .collect();
         let first = failed.first()?;
-        let why = |c: &CanaryStatus| {
-            format!("{}: {}", c.signature, c.reason.clone().unwrap_or_default())
-        };
+        let why =
+            |c: &CanaryStatus| format!("{}: {}", c.signature, c.reason.clone().unwrap_or_default());
         match self.spec.on_failure {
             CanaryFailure::StopReplay => Some(format!(
                 "the canary of {} (canary.onFailure: StopReplay); stopped, the rest stays in the queue",

@@ -42,7 +42,9 @@ impl Drain<'_> {
             self.look(idle).await?;
         }
         if self.canary.pending_queues().is_some()
-            && self.last_recheck.is_none_or(|t| t.elapsed() >= opts.recheck)
+            && self
+                .last_recheck
+                .is_none_or(|t| t.elapsed() >= opts.recheck)
         {
             self.last_recheck = Some(tokio::time::Instant::now());
             self.recheck().await?;
@@ -197,7 +199,9 @@ impl Drain<'_> {
             {
                 continue;
             }
-            match canary::preflight(self.publisher.connection(), spec, &[q.clone()]).await? {
+            match canary::preflight(self.publisher.connection(), spec, std::slice::from_ref(&q))
+                .await?
+            {
                 None => {
                     self.checked.insert(q, tokio::time::Instant::now());
                 }
@@ -222,8 +226,12 @@ impl Drain<'_> {
         match &item.act {
             Act::Replayed(_) => {
                 let watched = self.returns.as_ref().is_some_and(|r| r.watching());
-                self.canary
-                    .sent(&item.signature, &item.identity, item.key.as_deref(), watched);
+                self.canary.sent(
+                    &item.signature,
+                    &item.identity,
+                    item.key.as_deref(),
+                    watched,
+                );
             }
             Act::Failed(why) if !self.ending => {
                 self.canary

@@ -53,10 +53,15 @@ impl Drain<'_> {
 
     pub(super) fn report(&mut self, progress: &Progress) {
         let left = self.bound.saturating_sub(self.seen);
+        if self.shown_revision != self.canary.revision {
+            self.shown_revision = self.canary.revision;
+            self.status.canary = self.canary.status();
+        }
         let c = &self.canary;
         let (phase, message) = if c.opening() {
+            // Still the pre-flight: what the look-ahead holds decides whether anything moves.
             (
-                Phase::Canary,
+                Phase::Pending,
                 format!(
                     "reading the first {} messages (canary.lookAhead) before anything moves",
                     c.look_ahead()
@@ -79,7 +84,10 @@ impl Drain<'_> {
                 (Phase::Canary, out)
             }
         } else {
-            (Phase::Draining, format!("replaying, {left} left of this pass"))
+            (
+                Phase::Draining,
+                format!("replaying, {left} left of this pass"),
+            )
         };
         self.status.phase = Some(phase);
         self.status.message = Some(message);
@@ -136,7 +144,7 @@ impl Drain<'_> {
                     self.replay.spec.canary.max_return_ratio
                 ),
             ),
-            End::Cancelled if out > 0 => (Phase::Suspended, format!("stopped with {out} canaries out (published, acked and audited; their verdict is not in): run it again to resume, their signatures get new canaries; {summary}")),
+            End::Cancelled if out > 0 => (Phase::Suspended, format!("stopped during the canary wait, {out} canaries out (published, acked and audited; their verdict is not in): resuming sends their signatures new canaries (decided signatures keep their verdicts); {summary}")),
             End::Cancelled => (Phase::Suspended, format!("stopped; run it again to resume; {summary}")),
             End::Refused(why) => (Phase::Failed, format!("{why}; {summary}")),
             End::CanaryFailed(why) => (Phase::CanaryFailed, format!("{why}; {summary}")),

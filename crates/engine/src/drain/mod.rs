@@ -39,8 +39,8 @@ use lapin::message::Delivery;
 use lapin::{Connection, PublisherConfirm};
 use tokio_util::sync::CancellationToken;
 
-use super::classify::Destination;
 use self::decide::Input;
+use super::classify::Destination;
 use super::source::{self, Source};
 use super::store::{self, Store};
 use super::{keep, publish, watch, Options, Progress, Replay};
@@ -202,6 +202,8 @@ pub(super) struct Drain<'a> {
     last_look: Option<tokio::time::Instant>,
     last_recheck: Option<tokio::time::Instant>,
     last_overdue_check: Option<tokio::time::Instant>,
+    /// The canaries' revision the status shows.
+    shown_revision: u64,
     /// The source connection (the return watch's queue is its own).
     pub(super) src_conn: Option<Arc<Connection>>,
     /// Messages of this replay that came back (by fingerprint) behind the pass's bound.
@@ -266,6 +268,7 @@ impl<'a> Drain<'a> {
             last_look: None,
             last_recheck: None,
             last_overdue_check: None,
+            shown_revision: 0,
             src_conn: None,
             returns_behind: Default::default(),
             last_return_check: None,

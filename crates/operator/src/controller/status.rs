@@ -107,7 +107,7 @@ pub fn canary_wait_note(status: &ReplayStatus) -> Option<String> {
         .count();
     (waiting > 0).then(|| {
         format!(
-            "it stopped during the canary wait with {waiting} canaries out (published, acked and audited) and their verdict not recorded: the resumed run starts the canary phase again, one new canary per signature"
+            "it stopped during the canary wait with {waiting} canaries out (published, acked and audited) and their verdict not in: resuming sends their signatures new canaries (signatures already decided keep their verdicts)"
         )
     })
 }
@@ -380,7 +380,7 @@ mod tests {
             ..Default::default()
         });
         let note = canary_wait_note(&s).unwrap();
-        assert!(note.contains("1 canaries out") && note.contains("canary phase again"));
+        assert!(note.contains("1 canaries out") && note.contains("new canaries"));
     }
 
     #[test]
