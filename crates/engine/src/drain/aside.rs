@@ -54,8 +54,12 @@ impl Drain<'_> {
             self.save_verdicts().await?;
             self.report(progress);
         }
-        if let Some(why) = self.canary.stop() {
-            return Ok(Some(End::CanaryFailed(why)));
+        // Only once every released delivery was classified: one of them may still be the first of
+        // a signature whose canary has yet to go.
+        if self.released.is_empty() {
+            if let Some(why) = self.canary.stop() {
+                return Ok(Some(End::CanaryFailed(why)));
+            }
         }
         self.release();
         if idle && self.released.is_empty() && !self.canary.waiting() && self.stuck() {
@@ -233,7 +237,9 @@ impl Drain<'_> {
                     watched,
                 );
             }
-            Act::Failed(why) if !self.ending => {
+            // The broker refused it (nacked, unroutable, no exchange): its signature cannot be
+            // proven. A channel that closed under it says nothing of the message.
+            Act::Failed(why) if !self.ending && !why.starts_with("NotSent") => {
                 self.canary
                     .not_published(&item.signature, &item.identity, why);
             }
