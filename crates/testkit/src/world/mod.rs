@@ -65,7 +65,8 @@ impl World {
     }
 
     /// [`World::on`], with the topology changed by `shape` before it is declared, e.g.
-    /// `|topo| topo.delivery_limit(Some(3))`.
+    /// `|topo| topo.delivery_limit(Some(3))`, or `|topo| topo.dead_letter_by_default_exchange()`
+    /// for a DLQ fed through the default exchange (Celery's setup).
     pub async fn on_with(name: &str, t: &Target, shape: impl FnOnce(Topology) -> Topology) -> Self {
         // The target in the tag: cases of one scenario running side by side never share names.
         let tag = format!(
@@ -238,8 +239,15 @@ impl World {
     /// A classic queue bound to the dead-letter exchange beside the DLQ, declared before any
     /// dead letter: it receives a copy of every dead letter (the same x-death headers, in the
     /// same order), so [`World::take`] of it shows what the DLQ held without touching the DLQ.
-    /// Returns its name; [`World::cleanup`] deletes it.
+    /// Returns its name; [`World::cleanup`] deletes it. A topology that dead-letters through the
+    /// default exchange ([`Topology::dead_letter_by_default_exchange`]) has no exchange to bind
+    /// a mirror to: this panics there.
     pub async fn mirror_dlq(&self) -> String {
+        assert!(
+            !self.topo.by_default_exchange,
+            "mirror_dlq: {} dead-letters through the default exchange, which nothing can be bound to; take a \"before\" picture of the DLQ with World::peek instead",
+            self.topo.work
+        );
         let name = self.mirror_name();
         self.ch
             .queue_declare(
