@@ -39,6 +39,8 @@ pub struct Scan {
     /// Messages the waits for applied acks took: the traversal's next ones, in order.
     ahead: VecDeque<Delivery>,
     routes: BTreeSet<Route>,
+    /// Whether a traversal that met every message settles the ledger (see [`Scan::finish`]).
+    settles: bool,
 }
 
 impl Scan {
@@ -69,7 +71,15 @@ impl Scan {
             leftovers: Vec::new(),
             ahead: VecDeque::new(),
             routes: BTreeSet::new(),
+            settles: true,
         })
+    }
+
+    /// A traversal beside another consumer of the queue (the drain's, during a canary's search):
+    /// it does not meet every message, so it leaves the ledger's counts to the drain.
+    pub fn beside_a_drain(mut self) -> Self {
+        self.settles = false;
+        self
     }
 
     /// How many messages the queue held when the traversal began.
@@ -221,7 +231,7 @@ impl Scan {
     /// the queue held was met, remember the dead-letter routes seen, close the channel.
     pub async fn finish(mut self) -> Result<(), Error> {
         self.flush().await?;
-        if self.taken >= self.depth {
+        if self.settles && self.taken >= self.depth {
             self.ledger.resolved().await?;
         }
         watch::learn(&mut self.redis, &self.amqp_url, &self.queue, &self.routes).await?;

@@ -22,7 +22,11 @@ pub(crate) async fn search(
 ) -> Result<Vec<Returned>, Error> {
     let mut found = Vec::new();
     for q in std::iter::once(&spec.source.queue).chain(&spec.canary.watch_queues) {
-        let mut scan = Scan::open(conn, publish, redis.clone(), amqp_url, q).await?;
+        // The drain's consumer holds (and may still take) some of the source queue's messages,
+        // and its moves' ledger counts are its own to take back.
+        let mut scan = Scan::open(conn, publish, redis.clone(), amqp_url, q)
+            .await?
+            .beside_a_drain();
         while let Some(d) = scan.next().await? {
             if let Some(r) = watch::returned(&d, replay_id, &spec.canary.signature_header) {
                 found.push(r);
