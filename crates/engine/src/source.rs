@@ -211,23 +211,31 @@ impl Source {
         Ok(())
     }
 
+    /// Up to `max` in the batch with `basic.get`s sent together (the broker answers them in
+    /// order, each taking the head): one after the other, the pass's tail (a prefetch's worth,
+    /// more with the canary's look-ahead) cost a round trip each.
     async fn get(
         &mut self,
         batch: &mut Vec<Delivery>,
         max: usize,
         idle: Duration,
     ) -> Result<(), Error> {
-        while batch.len() < max {
-            match get_one(&self.channel, &self.queue).await? {
-                Some(d) => batch.push(d),
-                None if batch.is_empty() => {
-                    // Nothing ready: wait as a consumer would have.
-                    tokio::time::sleep(idle).await;
-                    break;
-                }
-                None => break,
-            }
+        let want = max.saturating_sub(batch.len());
+        if want == 0 {
+            return Ok(());
         }
+        let gets = (0..want).map(|_| get_one(&self.channel, &self.queue));
+        let mut got: Vec<Delivery> = futures::future::try_join_all(gets)
+            .await?
+            .into_iter()
+            .flatten()
+            .collect();
+        if got.is_empty() && batch.is_empty() {
+            // Nothing ready: wait as a consumer would have.
+            tokio::time::sleep(idle).await;
+        }
+        got.sort_by_key(|d| d.delivery_tag);
+        batch.extend(got);
         Ok(())
     }
 
