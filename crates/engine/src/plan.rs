@@ -86,7 +86,21 @@ pub async fn plan(replay: &Replay) -> Result<PlanReport, Error> {
     // Keys to look up: the key, the signature, and the message's identity when it may be its
     // signature's canary.
     let mut pending: Vec<(String, String, Option<String>)> = Vec::new();
-    while let Some(msg) = scan.next().await? {
+    loop {
+        // The keys to look up go in batches of 256, and the last batch when the queue ends.
+        let next = scan.next().await?;
+        let end = next.is_none();
+        if end || pending.len() >= 256 {
+            resolve(
+                replay,
+                con.as_mut(),
+                &mut pending,
+                &mut report,
+                &mut canaries,
+            )
+            .await?;
+        }
+        let Some(msg) = next else { break };
         let d = &msg;
         let sig = classify::signature(&replay.spec.canary.signature_header, &d.properties);
         let limited = replay.spec.selector.limit.is_some_and(|l| selected >= l);
@@ -134,25 +148,7 @@ pub async fn plan(replay: &Replay) -> Result<PlanReport, Error> {
             }
         }
         scan.keep(msg).await?;
-        if pending.len() >= 256 {
-            resolve(
-                replay,
-                con.as_mut(),
-                &mut pending,
-                &mut report,
-                &mut canaries,
-            )
-            .await?;
-        }
     }
-    resolve(
-        replay,
-        con.as_mut(),
-        &mut pending,
-        &mut report,
-        &mut canaries,
-    )
-    .await?;
     scan.finish().await?;
     // What `run` would refuse, said to the reviewer before it is applied.
     let decided = report.counts.scanned - report.counts.skipped;

@@ -6,95 +6,18 @@
 //! canary"; `crates/engine/src/canary/search.rs`).
 
 use std::collections::{BTreeMap, HashSet};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use dlq_replay::api::{CanaryResult, Phase, ReplayStatus};
+use dlq_replay::api::{CanaryResult, Phase};
 use dlq_replay::engine::{self, message, Options};
 use dlq_replay_testkit::world::*;
-use futures::StreamExt;
-use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions, BasicRejectOptions,
-};
-use lapin::types::{AMQPValue, FieldTable};
-use serde_json::json;
-use tokio_util::sync::CancellationToken;
+use lapin::options::{BasicGetOptions, BasicNackOptions};
 
-/// The message ids a worker received, in order.
-type Received = Arc<Mutex<Vec<String>>>;
+use super::{canary_spec, recording_worker, run_with, typed};
 
 /// A world whose work queue dead-letters through the default exchange.
 async fn world(name: &str, t: &Target) -> World {
     World::on_with(name, t, |topo| topo.dead_letter_by_default_exchange()).await
-}
-
-/// A worker on the work queue: fails (rejects into the DLQ, through the default exchange) the
-/// exception types in `fail`, processes (acks) the rest; records every message id it receives.
-async fn worker(w: &World, fail: &[&str]) -> (tokio::task::JoinHandle<()>, Received) {
-    let ch = w.conn.create_channel().await.unwrap();
-    let mut consumer = ch
-        .basic_consume(
-            w.topo.work.as_str().into(),
-            "test-worker".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    let fail: HashSet<String> = fail.iter().map(|s| s.to_string()).collect();
-    let received = Received::default();
-    let got = received.clone();
-    let handle = tokio::spawn(async move {
-        let _keep = ch;
-        while let Some(Ok(d)) = consumer.next().await {
-            let id = d
-                .properties
-                .message_id()
-                .as_ref()
-                .map(|m| m.to_string())
-                .unwrap_or_default();
-            got.lock().unwrap().push(id);
-            let kind = message::header_text(&d.properties, "x-exception-type").unwrap_or_default();
-            if fail.contains(&kind) {
-                d.reject(BasicRejectOptions { requeue: false })
-                    .await
-                    .unwrap();
-            } else {
-                d.ack(BasicAckOptions::default()).await.unwrap();
-            }
-        }
-    });
-    (handle, received)
-}
-
-fn typed(id: &str, kind: &str) -> (lapin::BasicProperties, Vec<u8>) {
-    let (p, b) = job(id, json!({}));
-    let mut h = p.headers().clone().unwrap();
-    h.insert(
-        "x-exception-type".into(),
-        AMQPValue::LongString(kind.into()),
-    );
-    (p.with_headers(h), b)
-}
-
-fn canary_spec(w: &World, extra: &str) -> String {
-    format!(
-        "{}  canary: {{enabled: true, waitSeconds: 5{extra}}}\n",
-        w.idempotency("Check")
-    )
-}
-
-async fn run_with(w: &World, spec: &str) -> ReplayStatus {
-    let resource = w.manifest(spec);
-    let (tx, _rx) = tokio::sync::watch::channel(ReplayStatus::default());
-    engine::run(
-        &w.replay(&resource),
-        &Options::default(),
-        &tx,
-        &CancellationToken::new(),
-    )
-    .await
-    .unwrap()
 }
 
 /// The fixture did what this file is about: the DLQ's first message was delivered through the
@@ -157,9 +80,9 @@ async fn a_fixed_consumer_passes_the_canary_and_the_rest_drains(t: Target) {
     )
     .await;
     assert_fed_by_default_exchange(&w).await;
-    let (_worker, received) = worker(&w, &[]).await;
+    let (_worker, received) = recording_worker(&w, &[]).await;
     let started = Instant::now();
-    let status = run_with(&w, &canary_spec(&w, "")).await;
+    let status = run_with(&w, &canary_spec(&w, ""), Options::default()).await;
     let took = started.elapsed();
     eprintln!("{t}: pass in {took:?}");
     assert_eq!(status.phase, Some(Phase::Done), "{status:?}");
@@ -197,9 +120,9 @@ async fn a_still_broken_consumer_sends_the_canary_back_through_the_default_excha
     .await;
     let before = ids(&w.peek(&w.topo.dlq).await);
     assert_eq!(before.len(), 10);
-    let (_worker, received) = worker(&w, &["TimeoutError"]).await;
+    let (_worker, received) = recording_worker(&w, &["TimeoutError"]).await;
     let started = Instant::now();
-    let status = run_with(&w, &canary_spec(&w, "")).await;
+    let status = run_with(&w, &canary_spec(&w, ""), Options::default()).await;
     let took = started.elapsed();
     eprintln!("{t}: CanaryFailed in {took:?}");
     assert_eq!(status.phase, Some(Phase::CanaryFailed), "{status:?}");
@@ -234,7 +157,7 @@ async fn a_still_broken_consumer_sends_the_canary_back_through_the_default_excha
     assert_eq!(returned[0].id, c.message_id);
     assert_eq!(*received.lock().unwrap(), vec![c.message_id.clone()]);
     // A failed canary is final: running it again replays nothing.
-    let again = run_with(&w, &canary_spec(&w, "")).await;
+    let again = run_with(&w, &canary_spec(&w, ""), Options::default()).await;
     assert_eq!(again.phase, Some(Phase::CanaryFailed), "{again:?}");
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
@@ -268,9 +191,9 @@ async fn two_signatures_one_fixed_one_not_drain_only_the_fixed_one(t: Target) {
         .filter(|m| m.id.starts_with('k'))
         .collect();
     assert_eq!(ids(&before), ["k0", "k1", "k2", "k3"]);
-    let (_worker, received) = worker(&w, &["KeyError"]).await;
+    let (_worker, received) = recording_worker(&w, &["KeyError"]).await;
     let started = Instant::now();
-    let status = run_with(&w, &canary_spec(&w, ", lookAhead: 3")).await;
+    let status = run_with(&w, &canary_spec(&w, ", lookAhead: 3"), Options::default()).await;
     eprintln!("{t}: Done in {:?}", started.elapsed());
     assert_eq!(status.phase, Some(Phase::Done), "{status:?}");
     let results: BTreeMap<_, _> = status

@@ -1,4 +1,7 @@
-//! The canary phase with real consumers on the work queue.
+//! The canary with real consumers on the work queue; `default_exchange`: on a DLQ fed through
+//! the default exchange.
+
+mod default_exchange;
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
@@ -564,10 +567,12 @@ async fn returns_while_draining_above_the_ratio_stop_the_replay(t: Target) {
     w.cleanup().await;
 }
 
-/// A worker that processes everything and records each message id it received.
-async fn recording_worker(w: &World) -> std::sync::Arc<std::sync::Mutex<Vec<String>>> {
-    let got = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let seen = got.clone();
+/// The message ids a worker received, in order.
+type Received = std::sync::Arc<std::sync::Mutex<Vec<String>>>;
+
+/// A worker on the work queue that records every message id it receives: fails (rejects into
+/// the DLQ) the exception types in `fail`, processes (acks) the rest.
+async fn recording_worker(w: &World, fail: &[&str]) -> (tokio::task::JoinHandle<()>, Received) {
     let ch = w.conn.create_channel().await.unwrap();
     let mut consumer = ch
         .basic_consume(
@@ -578,8 +583,11 @@ async fn recording_worker(w: &World) -> std::sync::Arc<std::sync::Mutex<Vec<Stri
         )
         .await
         .unwrap();
-    tokio::spawn(async move {
-        let _ch = ch;
+    let fail: HashSet<String> = fail.iter().map(|s| s.to_string()).collect();
+    let received = Received::default();
+    let got = received.clone();
+    let handle = tokio::spawn(async move {
+        let _keep = ch;
         while let Some(Ok(d)) = consumer.next().await {
             let id = d
                 .properties
@@ -587,11 +595,18 @@ async fn recording_worker(w: &World) -> std::sync::Arc<std::sync::Mutex<Vec<Stri
                 .as_ref()
                 .map(|m| m.to_string())
                 .unwrap_or_default();
-            seen.lock().unwrap().push(id);
-            d.ack(BasicAckOptions::default()).await.unwrap();
+            got.lock().unwrap().push(id);
+            let kind = message::header_text(&d.properties, "x-exception-type").unwrap_or_default();
+            if fail.contains(&kind) {
+                d.reject(BasicRejectOptions { requeue: false })
+                    .await
+                    .unwrap();
+            } else {
+                d.ack(BasicAckOptions::default()).await.unwrap();
+            }
         }
     });
-    got
+    (handle, received)
 }
 
 matrix!(a_kill_9_during_a_canary_wait_resumes_without_sending_proven_canaries_again);
@@ -602,7 +617,7 @@ async fn a_kill_9_during_a_canary_wait_resumes_without_sending_proven_canaries_a
         .collect();
     jobs.extend((0..4).map(|i| typed(&format!("k{i}"), "KeyError")));
     w.dead_letter(jobs).await;
-    let got = recording_worker(&w).await;
+    let (_worker, got) = recording_worker(&w, &[]).await;
     let resource = w.manifest(&format!(
         "{}  canary: {{enabled: true, waitSeconds: 5, lookAhead: 3}}\n",
         w.idempotency("Claim")
