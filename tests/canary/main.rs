@@ -690,3 +690,54 @@ async fn a_kill_9_during_a_canary_wait_resumes_without_sending_proven_canaries_a
     );
     w.cleanup().await;
 }
+
+matrix!(a_pending_pre_flight_holds_the_look_ahead_and_goes_on_when_it_passes);
+async fn a_pending_pre_flight_holds_the_look_ahead_and_goes_on_when_it_passes(t: Target) {
+    let w = World::on("canary-pending-go", &t).await;
+    w.dead_letter(
+        (0..5)
+            .map(|i| typed(&format!("q{i}"), "TimeoutError"))
+            .collect(),
+    )
+    .await;
+    let resource = w.manifest(&canary_spec(&w, ""));
+    let replay = w.replay(&resource);
+    let (tx, mut rx) = tokio::sync::watch::channel(ReplayStatus::default());
+    let opts = Options {
+        recheck: Duration::from_millis(300),
+        ..Options::default()
+    };
+    let run =
+        tokio::spawn(
+            async move { engine::run(&replay, &opts, &tx, &CancellationToken::new()).await },
+        );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = rx.borrow_and_update().clone();
+        if s.phase == Some(Phase::Pending)
+            && s.message
+                .as_deref()
+                .is_some_and(|m| m.contains("NoConsumer"))
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never Pending: {s:?}");
+        let _ = tokio::time::timeout(Duration::from_millis(200), rx.changed()).await;
+    }
+    // Several failed checks later the look-ahead is still held, not handed back at each one (on
+    // a quorum queue every hand-back counts a delivery): the queue shows only the pass's last
+    // message ready.
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(w.depth(&w.topo.dlq).await, 1, "the look-ahead went back");
+    }
+    let (_worker, got) = recording_worker(&w, &[]).await;
+    let status = run.await.unwrap().unwrap();
+    assert_eq!(status.phase, Some(Phase::Done), "{status:?}");
+    assert_eq!(status.counts.replayed, 5, "{:?}", status.counts);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut ids = got.lock().unwrap().clone();
+    ids.sort();
+    assert_eq!(ids, ["q0", "q1", "q2", "q3", "q4"]);
+    w.cleanup().await;
+}

@@ -155,10 +155,14 @@ impl Tracker {
         set.into_iter().cloned().collect()
     }
 
-    /// The first look-ahead is read: decide what can be decided before anything moves (too many
-    /// signatures, too much poison). `Err` says why the replay stops.
-    pub fn end_opening(&mut self, max_quarantine_ratio: Option<f64>) -> Result<(), String> {
+    /// The first look-ahead is read and may go into the drain.
+    pub fn end_opening(&mut self) {
         self.opening = false;
+    }
+
+    /// What can be decided on the first look-ahead before anything moves (too many signatures,
+    /// too much poison). `Err` says why the replay stops.
+    pub fn check_opening(&self, max_quarantine_ratio: Option<f64>) -> Result<(), String> {
         let distinct = self.sigs.len() + self.opening_sigs.len();
         if distinct > self.spec.max_signatures as usize {
             return Err(self.too_many(self.opening_met, "before anything moved"));
@@ -550,13 +554,13 @@ mod tests {
         }
         t.note_opening(None, true, None);
         assert_eq!(t.opening_queues(), vec!["work".to_string()]);
-        assert!(t.end_opening(Some(0.5)).is_ok());
+        assert!(t.check_opening(Some(0.5)).is_ok());
         let mut t = Tracker::new(&spec(|s| s.max_signatures = 2), vec![]);
         for s in ["a", "b", "c"] {
             t.note_opening(Some(s), false, Some("work".into()));
         }
         assert!(t
-            .end_opening(None)
+            .check_opening(None)
             .unwrap_err()
             .starts_with("TooManySignatures"));
         let mut t = Tracker::new(&CanarySpec::default(), vec![]);
@@ -564,7 +568,7 @@ mod tests {
         t.note_opening(None, true, None);
         t.note_opening(None, true, None);
         assert!(t
-            .end_opening(Some(0.5))
+            .check_opening(Some(0.5))
             .unwrap_err()
             .contains("maxQuarantineRatio"));
     }

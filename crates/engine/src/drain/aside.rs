@@ -35,7 +35,7 @@ impl Drain<'_> {
             if !idle || !self.opening_read() {
                 return Ok(None);
             }
-            return self.end_opening(progress).await;
+            return self.end_opening(opts, progress).await;
         }
         if self.last_look.is_none_or(|t| t.elapsed() >= opts.look) {
             self.last_look = Some(tokio::time::Instant::now());
@@ -96,17 +96,49 @@ impl Drain<'_> {
     }
 
     /// Decide on the first look-ahead (signatures, poison, the canaries' pre-flight) before
-    /// anything moves, then release it into the drain.
-    async fn end_opening(&mut self, progress: &Progress) -> Result<Option<End>, Error> {
+    /// anything moves, then release it into the drain. While the pre-flight fails, the
+    /// look-ahead stays held and the checks run again every `opts.recheck`: handing it back at
+    /// each failure would count a delivery on a quorum queue each time (a worker in a crash loop
+    /// makes the check flap), and past RabbitMQ 4's delivery limit of 20 the broker drops the
+    /// message. The pass ends `Pending` (handing back, once) only after `HOLD_MAX`, or when
+    /// `opts.pending_timeout` gives up.
+    async fn end_opening(
+        &mut self,
+        opts: &Options,
+        progress: &Progress,
+    ) -> Result<Option<End>, Error> {
         let spec = &self.replay.spec;
-        if let Err(why) = self.canary.end_opening(spec.poison.max_quarantine_ratio) {
+        if let Err(why) = self.canary.check_opening(spec.poison.max_quarantine_ratio) {
             return Ok(Some(End::Refused(why)));
         }
         let queues = self.canary.opening_queues();
+        let since = *self
+            .pending_since
+            .get_or_insert_with(tokio::time::Instant::now);
+        if self.pending_note.is_some()
+            && self
+                .last_recheck
+                .is_some_and(|t| t.elapsed() < opts.recheck)
+        {
+            return Ok(None);
+        }
+        self.last_recheck = Some(tokio::time::Instant::now());
         let conn = self.publisher.connection();
         if let Some(why) = canary::preflight(conn, spec, &queues).await? {
-            return Ok(Some(End::Pending(why, queues)));
+            let waited = since.elapsed();
+            let gave_up = opts.pending_timeout.is_some_and(|t| waited >= t);
+            if gave_up || waited >= super::decide::HOLD_MAX {
+                return Ok(Some(End::Pending(why, queues)));
+            }
+            self.pending_note = Some(format!(
+                "{why}; checking again every {}s",
+                opts.recheck.as_secs()
+            ));
+            self.report(progress);
+            return Ok(None);
         }
+        self.pending_note = None;
+        self.canary.end_opening();
         let now = tokio::time::Instant::now();
         self.checked.extend(queues.into_iter().map(|q| (q, now)));
         self.release_due = true;

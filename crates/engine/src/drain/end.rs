@@ -58,7 +58,9 @@ impl Drain<'_> {
             self.status.canary = self.canary.status();
         }
         let c = &self.canary;
-        let (phase, message) = if c.opening() {
+        let (phase, message) = if let Some(note) = self.pending_note.clone() {
+            (Phase::Pending, note)
+        } else if c.opening() {
             // Still the pre-flight: what the look-ahead holds decides whether anything moves.
             (
                 Phase::Pending,

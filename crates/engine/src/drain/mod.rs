@@ -205,6 +205,9 @@ pub(super) struct Drain<'a> {
     last_overdue_check: Option<tokio::time::Instant>,
     /// The canaries' revision the status shows.
     shown_revision: u64,
+    /// The first look-ahead's pre-flight failed: since when, and what the status says.
+    pending_since: Option<tokio::time::Instant>,
+    pending_note: Option<String>,
     /// The source connection (the return watch's queue is its own).
     pub(super) src_conn: Option<Arc<Connection>>,
     /// Messages of this replay that came back (by fingerprint) behind the pass's bound.
@@ -270,6 +273,8 @@ impl<'a> Drain<'a> {
             last_recheck: None,
             last_overdue_check: None,
             shown_revision: 0,
+            pending_since: None,
+            pending_note: None,
             src_conn: None,
             returns_behind: Default::default(),
             last_return_check: None,
