@@ -335,22 +335,26 @@ async fn a_canary_that_returns_while_others_were_proven_holds_only_its_signature
         msg.contains("3 held back in the queue because the canary of their signature did not pass (x-exception-type=KeyError)"),
         "{msg}"
     );
-    // The held-back KeyError jobs are in the DLQ byte for byte, in their order, with the
-    // returned canary.
-    let after = w.peek(&w.topo.dlq).await;
-    let held: Vec<_> = after
-        .iter()
-        .filter(|m| header(m, "x-replay-id").is_none())
-        .cloned()
-        .collect();
-    assert_eq!(held, before[1..].to_vec());
-    let returned: Vec<_> = after
-        .iter()
-        .filter(|m| header(m, "x-replay-id").is_some())
-        .collect();
-    assert_eq!(returned.len(), 1);
-    assert_eq!(returned[0].id, "k0");
+    assert_held_back_beside_the_returned_canary(&w, &before[1..], "k0").await;
     w.cleanup().await;
+}
+
+/// What a failed canary leaves in the DLQ: its signature's other messages, `held`, byte for byte
+/// and in their order (moved to the tail, never replayed), and the canary that came back (this
+/// replay's `x-replay-id` on it), which is returned.
+async fn assert_held_back_beside_the_returned_canary(
+    w: &World,
+    held: &[Seen],
+    canary: &str,
+) -> Seen {
+    let after = w.peek(&w.topo.dlq).await;
+    let (returned, kept): (Vec<Seen>, Vec<Seen>) = after
+        .into_iter()
+        .partition(|m| header(m, "x-replay-id").is_some());
+    assert_eq!(kept, held.to_vec());
+    assert_eq!(returned.len(), 1, "{:?}", ids(&returned));
+    assert_eq!(returned[0].id, canary);
+    returned.into_iter().next().unwrap()
 }
 
 matrix!(stop_replay_ends_the_replay_at_a_returned_canary);

@@ -184,8 +184,8 @@ pub async fn run(
     let mut last = progress.borrow().clone();
     loop {
         let why = match run_pass(replay, opts, progress, cancel).await {
-            Ok(PassEnd::Ended(status)) => return Ok(status),
-            Ok(PassEnd::Pending(status, _)) => return Ok(status),
+            // `Pass::run` turns a Pending end into Again or Ended (`pass::pending_wait`).
+            Ok(PassEnd::Ended(status) | PassEnd::Pending(status, _)) => return Ok(status),
             Ok(PassEnd::Again(status)) => {
                 // A Pending pass whose checks pass now: the next pass starts at once.
                 lost_since = None;

@@ -9,6 +9,7 @@ use super::{Act, Aside, Drain, End, Item};
 use crate::canary::{self, search};
 use crate::source::Source;
 use crate::spec::IdempotencyMode;
+use crate::store::Held;
 use crate::watch::Returned;
 use crate::{Error, Options, Progress};
 
@@ -156,9 +157,7 @@ impl Drain<'_> {
             .is_none_or(|t| t.elapsed() >= Duration::from_secs(5));
         let overdue = look && {
             self.last_overdue_check = Some(tokio::time::Instant::now());
-            self.aside
-                .values()
-                .any(|a| a.since.elapsed() >= super::decide::HOLD_MAX)
+            self.aside.values().any(Aside::overdue)
         };
         if !(std::mem::take(&mut self.release_due) || overdue) || self.canary.opening() {
             return;
@@ -168,8 +167,7 @@ impl Drain<'_> {
             .aside
             .iter()
             .filter(|(_, a)| {
-                a.since.elapsed() >= super::decide::HOLD_MAX
-                    || a.signature.as_deref().is_none_or(|s| canary.releasable(s))
+                a.overdue() || a.signature.as_deref().is_none_or(|s| canary.releasable(s))
             })
             .map(|(t, _)| *t)
             .collect();
@@ -299,14 +297,13 @@ impl Drain<'_> {
             if !idle {
                 return Ok(());
             }
-            let (Some(conn), Some(redis)) = (self.src_conn.clone(), Some(self.store.redis()))
-            else {
+            let Some(conn) = self.src_conn.clone() else {
                 return Ok(());
             };
             let found = search::search(
                 &conn,
                 self.publisher.connection(),
-                redis,
+                self.store.redis(),
                 &self.replay.amqp_url,
                 spec,
                 &self.replay_id,
@@ -357,7 +354,7 @@ impl Drain<'_> {
             .query_async(&mut redis)
             .await?;
         for ((i, _), v) in keys.into_iter().zip(values) {
-            if v.as_deref() == Some(idem.done_value.as_str()) {
+            if Held::of(v.as_deref(), &idem.done_value) == Held::Done {
                 self.canary.confirmed(i);
             }
         }
@@ -386,7 +383,7 @@ impl Drain<'_> {
     /// Store the verdicts, so a resumed replay does not send a decided signature's canary again,
     /// and show them.
     async fn save_verdicts(&mut self) -> Result<(), Error> {
-        self.status.canary = self.canary.status();
+        self.show_canaries();
         let json =
             serde_json::to_string(&self.status.canary).map_err(|e| Error::Redis(e.to_string()))?;
         self.store.save_canary(&json).await

@@ -21,7 +21,7 @@ pub(super) struct Input {
 impl From<Aside> for Input {
     fn from(a: Aside) -> Self {
         Self {
-            expired: a.since.elapsed() >= HOLD_MAX,
+            expired: a.overdue(),
             delivery: a.delivery,
             met: a.met,
         }

@@ -53,10 +53,7 @@ impl Drain<'_> {
 
     pub(super) fn report(&mut self, progress: &Progress) {
         let left = self.bound.saturating_sub(self.seen);
-        if self.shown_revision != self.canary.revision {
-            self.shown_revision = self.canary.revision;
-            self.status.canary = self.canary.status();
-        }
+        self.show_canaries();
         let c = &self.canary;
         let (phase, message) = if let Some(note) = self.pending_note.clone() {
             (Phase::Pending, note)
@@ -73,7 +70,7 @@ impl Drain<'_> {
             let out = format!(
                 "{} canaries out, waiting until {}; {} messages set aside",
                 c.out_count(),
-                self.wait_until(),
+                self.wait_until,
                 self.aside.len() + self.released.len()
             );
             // Canary until a signature is proven; Draining from then on, its canaries beside.
@@ -96,10 +93,17 @@ impl Drain<'_> {
         progress.send_replace(self.status.clone());
     }
 
-    /// When the last wait of the canaries out ends (HH:MM:SS, what a person compares with a
-    /// clock).
-    fn wait_until(&self) -> String {
-        self.status
+    /// The canaries into the status, when one was sent or decided since they were last shown
+    /// (not at every step), with when the last wait of those out ends (HH:MM:SS, what a person
+    /// compares with a clock).
+    pub(super) fn show_canaries(&mut self) {
+        if self.shown_revision == self.canary.revision {
+            return;
+        }
+        self.shown_revision = self.canary.revision;
+        self.status.canary = self.canary.status();
+        self.wait_until = self
+            .status
             .canary
             .iter()
             .filter(|c| c.result == crate::status::CanaryResult::Waiting)
@@ -107,7 +111,7 @@ impl Drain<'_> {
             .filter_map(|t| chrono::DateTime::parse_from_rfc3339(t).ok())
             .max()
             .map(|t| t.format("%H:%M:%S UTC").to_string())
-            .unwrap_or_default()
+            .unwrap_or_default();
     }
 
     /// Close the pass: everything still unacked goes back to the queue in place.

@@ -93,6 +93,13 @@ pub(super) struct Aside {
     since: tokio::time::Instant,
 }
 
+impl Aside {
+    /// Set aside for [`decide::HOLD_MAX`]: it is left in the queue (moved to the tail).
+    fn overdue(&self) -> bool {
+        self.since.elapsed() >= decide::HOLD_MAX
+    }
+}
+
 pub(super) struct Item {
     delivery: Delivery,
     /// The move ledger's digest, computed when needed (a kept or a leftover message).
@@ -203,8 +210,10 @@ pub(super) struct Drain<'a> {
     last_look: Option<tokio::time::Instant>,
     last_recheck: Option<tokio::time::Instant>,
     last_overdue_check: Option<tokio::time::Instant>,
-    /// The canaries' revision the status shows.
+    /// The canaries' revision the status shows, and when the last of their waits ends there
+    /// (HH:MM:SS UTC).
     shown_revision: u64,
+    wait_until: String,
     /// The first look-ahead's pre-flight failed: since when, and what the status says.
     pending_since: Option<tokio::time::Instant>,
     pending_note: Option<String>,
@@ -273,6 +282,7 @@ impl<'a> Drain<'a> {
             last_recheck: None,
             last_overdue_check: None,
             shown_revision: 0,
+            wait_until: String::new(),
             pending_since: None,
             pending_note: None,
             src_conn: None,
