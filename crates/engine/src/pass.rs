@@ -186,8 +186,8 @@ impl<'a> Pass<'a> {
         let step = step_size(&replay.spec, window);
         let queue = &replay.spec.source.queue;
         // Set-aside deliveries take prefetch too.
-        let prefetch = (usize::from(prefetch(window)) + tracker.look_ahead()).min(65535) as u16;
-        let src = Source::open(&conn, queue, prefetch, depth.into()).await?;
+        let credit = (usize::from(prefetch(window)) + tracker.look_ahead()).min(65535) as u16;
+        let src = Source::open(&conn, queue, credit, depth.into()).await?;
         let mover = keep::Mover::open(publisher.connection(), publisher.user(), queue).await?;
         let ledger = keep::Ledger::open(store.redis(), &replay.amqp_url, queue).await?;
         let mut drain = Drain::new(
