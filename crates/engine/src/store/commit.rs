@@ -8,42 +8,54 @@ use crate::status::Counts;
 use crate::Error;
 
 /// A batch's outcome, applied once. KEYS: the audit stream, the settled hash, the state hash,
-/// the audit dictionary, then the claims the batch ends. ARGV: the commit id; the dictionary's
-/// new fields (count first, field and value each); the audit field names (count first: none when
-/// the rows went to the log); the rows (count first, one value per field each); the settled marks
-/// and then the `key:` marks (each count first, field and value each); the ended claims (count
-/// first, then per claim its value and the value it takes once published, or "" to release it);
-/// the count deltas (count first, field and increment each). Ended claims are compare-and-set or
-/// compare-and-delete, so a batch ends only its own claims. `key:` marks are set where none
-/// exists (as HSETNX one by one would), and those that existed already are counted. Each group
-/// is one variadic command (HSET, HMGET, MGET, DEL), not one per message. The commit id kept in the state hash makes a retry of a
-/// commit that did go through (its answer was lost) change nothing. Returns the audit rows so
-/// far: the stream's length, or (rows in the log) the state's `records` count.
+/// the audit dictionary, then the claims the batch ends. ARGV: the commit id; the count deltas
+/// (count first, field and increment each); the dictionary's new fields (count first, field and
+/// value each); the audit field names (count first: none when the rows went to the log); the
+/// rows (count first, one value per field each); the settled marks and then the `key:` marks
+/// (each count first, field and value each); the ended claims (count first, then per claim its
+/// value and the value it takes once published, or "" to release it).
+///
+/// Ended claims are compare-and-set or compare-and-delete, so a batch ends only its own claims.
+/// `key:` marks are set where none exists (as HSETNX one by one would), and those that existed
+/// already are counted. Each group is one variadic command (HSET, HMGET, MGET, DEL), not one per
+/// message, and the state hash is read once and written once (the counts are added up here, not
+/// one HINCRBY each): the commands per step do not grow with what the step holds, only the
+/// audit rows and the ended claims count one each. The commit id kept in the state hash makes a
+/// retry of a commit that did go through (its answer was lost) change nothing. Returns the audit
+/// rows so far: the stream's length, or (rows in the log) the state's `records` count.
 const COMMIT: &str = r#"
 local audit, settled, state, dict = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local function records()
-  if redis.call('EXISTS', audit) == 1 then return redis.call('XLEN', audit) end
-  return tonumber(redis.call('HGET', state, 'records') or '0')
-end
-if redis.call('HGET', state, 'commit') == ARGV[1] then
-  return {records(), 0, 0}
-end
 local i = 2
 local function take()
   local v = ARGV[i]
   i = i + 1
   return v
 end
-for _ = 1, tonumber(take()) do
-  redis.call('HSET', dict, take(), take())
+local function pairs_of(n)
+  local out = {}
+  for _ = 1, n do
+    out[#out + 1] = take()
+    out[#out + 1] = take()
+  end
+  return out
+end
+local deltas = pairs_of(tonumber(take()))
+local ask = {'HMGET', state, 'commit', 'records'}
+for d = 1, #deltas, 2 do ask[#ask + 1] = deltas[d] end
+local cur = redis.call(unpack(ask))
+if cur[1] == ARGV[1] then
+  -- A retry of a commit that went through: which sink it wrote to does not matter here.
+  local len = redis.call('XLEN', audit)
+  return {len > 0 and len or tonumber(cur[2] or '0'), 0, 0}
+end
+local dict_fields = pairs_of(tonumber(take()))
+if #dict_fields > 0 then
+  redis.call('HSET', dict, unpack(dict_fields))
 end
 local nfields = tonumber(take())
 local names = {}
 for f = 1, nfields do names[f] = take() end
 local nrows = tonumber(take())
-if nfields == 0 then
-  redis.call('HINCRBY', state, 'records', nrows)
-end
 for _ = 1, nfields > 0 and nrows or 0 do
   local xadd = {'XADD', audit, '*'}
   for f = 1, nfields do
@@ -68,14 +80,10 @@ local function chunked(cmd, head, list)
   end
   return out
 end
-local marks = {}
-for _ = 1, tonumber(take()) do
-  marks[#marks + 1] = take()
-  marks[#marks + 1] = take()
-end
-chunked('HSET', settled, marks)
--- `key:` marks are set only where none exists (the first message of the batch to publish a
--- key keeps it); those that existed already, or came twice in the batch, are counted.
+-- The settled marks and the new `key:` marks go out in one HSET. `key:` marks are set only where
+-- none exists (the first message of the batch to publish a key keeps it); those that existed
+-- already, or came twice in the batch, are counted.
+local marks = pairs_of(tonumber(take()))
 local again = 0
 local nkeys = tonumber(take())
 if nkeys > 0 then
@@ -85,18 +93,18 @@ if nkeys > 0 then
     values[k] = take()
   end
   local had = chunked('HMGET', settled, fields)
-  local new, seen = {}, {}
+  local seen = {}
   for k = 1, nkeys do
     if had[k] or seen[fields[k]] then
       again = again + 1
     else
       seen[fields[k]] = true
-      new[#new + 1] = fields[k]
-      new[#new + 1] = values[k]
+      marks[#marks + 1] = fields[k]
+      marks[#marks + 1] = values[k]
     end
   end
-  chunked('HSET', settled, new)
 end
+chunked('HSET', settled, marks)
 -- Ended claims: one MGET for all, then each of ours set (published) or deleted (released).
 local nclaims = tonumber(take())
 if nclaims > 0 then
@@ -121,11 +129,23 @@ if nclaims > 0 then
   end
   chunked('DEL', nil, released)
 end
-for _ = 1, tonumber(take()) do
-  redis.call('HINCRBY', state, take(), take())
+-- The state, written once: the commit id, the counts with their deltas added, and the rows
+-- kept in the log (the stream counts its own).
+local records = tonumber(cur[2] or '0')
+local write = {'HSET', state, 'commit', ARGV[1]}
+if nfields == 0 then
+  records = records + nrows
+  write[#write + 1] = 'records'
+  write[#write + 1] = records
+else
+  records = redis.call('XLEN', audit)
 end
-redis.call('HSET', state, 'commit', ARGV[1])
-return {records(), again, 1}
+for d = 1, #deltas, 2 do
+  write[#write + 1] = deltas[d]
+  write[#write + 1] = tonumber(cur[2 + (d + 1) / 2] or '0') + tonumber(deltas[d + 1])
+end
+redis.call(unpack(write))
+return {records, again, 1}
 "#;
 
 fn commit_script() -> &'static redis::Script {
@@ -211,6 +231,15 @@ impl Store {
             .key(&self.keys.state)
             .key(&self.keys.dict);
         inv.arg(uuid::Uuid::new_v4().simple().to_string());
+        let counts: Vec<_> = delta
+            .by_field()
+            .into_iter()
+            .filter(|(_, n)| *n > 0)
+            .collect();
+        inv.arg(counts.len());
+        for (name, n) in counts {
+            inv.arg(count_field(name)).arg(n);
+        }
         let mut values = Vec::with_capacity(rows.len() * audit::FIELDS.len());
         let defined = match self.sink {
             AuditSink::Redis => {
@@ -240,15 +269,6 @@ impl Store {
                 String::new()
             };
             inv.key(&c.key).arg(&c.value).arg(confirmed);
-        }
-        let counts: Vec<_> = delta
-            .by_field()
-            .into_iter()
-            .filter(|(_, n)| *n > 0)
-            .collect();
-        inv.arg(counts.len());
-        for (name, n) in counts {
-            inv.arg(count_field(name)).arg(n);
         }
         (inv, defined)
     }
@@ -327,6 +347,80 @@ mod tests {
             .query_async(&mut con)
             .await
             .unwrap();
+        cleanup(&mut s, &[]).await;
+    }
+
+    #[tokio::test]
+    async fn counts_add_up_over_commits_and_a_key_marked_before_is_counted_again() {
+        let mut s = store("counts").await;
+        let d = |replayed, failed| Counts {
+            replayed,
+            failed,
+            ..Default::default()
+        };
+        let marks = |k: &str| {
+            vec![
+                (format!("fp-{k}"), "replayed".to_string()),
+                (format!("key:{k}"), "replayed".to_string()),
+            ]
+        };
+        let first = s.commit(&[row("a")], &marks("k1"), &[], &d(3, 0)).await;
+        assert_eq!(first.expect("first"), (1, 0));
+        // k1 was marked by the first commit; k2 comes twice in this one: both count again.
+        let mut second = marks("k1");
+        second.extend(marks("k2"));
+        second.extend(marks("k2"));
+        let (len, again) = s
+            .commit(&[row("b"), row("c")], &second, &[], &d(4, 1))
+            .await
+            .expect("second");
+        assert_eq!((len, again), (3, 2));
+        let state: HashMap<String, String> = redis::cmd("HGETALL")
+            .arg(&s.keys().state)
+            .query_async(&mut s.con)
+            .await
+            .expect("state");
+        assert_eq!(state.get("c:replayed").map(String::as_str), Some("7"));
+        assert_eq!(state.get("c:failed").map(String::as_str), Some("1"));
+        let settled: HashMap<String, String> = redis::cmd("HGETALL")
+            .arg(&s.keys().settled)
+            .query_async(&mut s.con)
+            .await
+            .expect("settled");
+        for f in ["fp-k1", "key:k1", "fp-k2", "key:k2"] {
+            assert_eq!(settled.get(f).map(String::as_str), Some("replayed"), "{f}");
+        }
+        cleanup(&mut s, &[]).await;
+    }
+
+    #[tokio::test]
+    async fn rows_written_to_the_log_are_counted_in_the_state() {
+        let mut s = store("log-records").await;
+        s.sink = AuditSink::Log;
+        let (len, _) = s
+            .commit(&[row("a"), row("b")], &[], &[], &Counts::default())
+            .await
+            .expect("first");
+        assert_eq!(len, 2);
+        let (len, _) = s
+            .commit(&[row("c")], &[], &[], &Counts::default())
+            .await
+            .expect("second");
+        assert_eq!(len, 3);
+        let (inv, _) = s.commit_invocation(&[row("d")], &[], &[], &Counts::default());
+        let first: Vec<u64> = inv.invoke_async(&mut s.con).await.expect("third");
+        let again: Vec<u64> = inv.invoke_async(&mut s.con).await.expect("again");
+        assert_eq!(first, vec![4, 0, 1]);
+        assert_eq!(again, vec![4, 0, 0], "a retry counts nothing twice");
+        let exists: bool = redis::cmd("EXISTS")
+            .arg(&s.keys().audit)
+            .query_async(&mut s.con)
+            .await
+            .expect("exists");
+        assert!(
+            !exists,
+            "rows sent to the log are not written to the stream"
+        );
         cleanup(&mut s, &[]).await;
     }
 
