@@ -5,6 +5,7 @@
 use lapin::BasicProperties;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
+use std::borrow::Cow;
 
 use crate::key;
 use crate::message::{self, Death, REPLAY_ID};
@@ -251,12 +252,16 @@ pub fn destination(target: &crate::spec::TargetSpec, last: Option<&Death>) -> Op
 /// The failure signature of a message: the signature header, else the reason and queue of its
 /// most recent death.
 pub fn signature(signature_header: &str, props: &BasicProperties) -> String {
-    if let Some(v) = message::header_text(props, signature_header) {
+    if let Some(v) = message::header_str(props, signature_header) {
         return format!("{signature_header}={}", shortened(&v));
     }
-    match message::first_death(props) {
-        Some(d) => format!("{}@{}", d.reason, d.queue),
-        None => "no-death".into(),
+    // Read in place: a signature is made for every message, and only these two fields count.
+    match (
+        message::first_death_str(props, "reason"),
+        message::first_death_str(props, "queue"),
+    ) {
+        (Some(reason), Some(queue)) => format!("{reason}@{queue}"),
+        _ => "no-death".into(),
     }
 }
 
@@ -266,13 +271,13 @@ const SIGNATURE_CHARS: usize = 120;
 
 /// `v` cut to [`SIGNATURE_CHARS`], with a hash of the whole so that values differing only
 /// past the cut stay distinct signatures.
-fn shortened(v: &str) -> String {
+fn shortened(v: &str) -> Cow<'_, str> {
     if v.chars().count() <= SIGNATURE_CHARS {
-        return v.to_string();
+        return Cow::Borrowed(v);
     }
     let head: String = v.chars().take(SIGNATURE_CHARS).collect();
     let digest = hex::encode(Sha256::digest(v.as_bytes()));
-    format!("{head}…#{}", &digest[..8])
+    Cow::Owned(format!("{head}…#{}", &digest[..8]))
 }
 
 /// The queue a default-target message will land in: the queue of its most recent death.

@@ -2,6 +2,8 @@
 //!
 //! Pure, so the operator, the CLI, the benchmark and the workers' own tooling agree on a key.
 
+use std::borrow::Cow;
+
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
@@ -61,7 +63,7 @@ pub fn derive_body(spec: &KeySpec, body: &[u8]) -> Option<Result<String, KeyErro
 /// `serde_json::from_slice::<Value>` parses it (so a body it refuses is refused here too) and
 /// dropped. `None` when the body is not JSON.
 pub fn pick(body: &[u8], pointers: &[&str]) -> Option<Vec<Option<Value>>> {
-    let tokens: Vec<Option<Vec<String>>> = pointers
+    let tokens: Vec<Option<Vec<Cow<str>>>> = pointers
         .iter()
         .map(|p| {
             if p.is_empty() {
@@ -70,12 +72,16 @@ pub fn pick(body: &[u8], pointers: &[&str]) -> Option<Vec<Option<Value>>> {
             let rest = p.strip_prefix('/')?;
             Some(
                 rest.split('/')
-                    .map(|t| t.replace("~1", "/").replace("~0", "~"))
+                    // Escaped tokens are rare: the others are borrowed, not copied per message.
+                    .map(|t| match t.contains('~') {
+                        true => Cow::Owned(t.replace("~1", "/").replace("~0", "~")),
+                        false => Cow::Borrowed(t),
+                    })
                     .collect(),
             )
         })
         .collect();
-    let wants: Vec<(usize, &[String])> = tokens
+    let wants: Vec<(usize, &[Cow<str>])> = tokens
         .iter()
         .enumerate()
         .filter_map(|(i, t)| t.as_deref().map(|t| (i, t)))
@@ -96,11 +102,12 @@ mod pick {
     //! `IgnoredAny`, whose laxer parse takes numbers out of range).
     use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
     use serde_json::Value;
+    use std::borrow::Cow;
     use std::fmt;
 
     /// The pointers (by index) wanted below this value, with their remaining tokens. Yields,
     /// for each of them, the value found (or none).
-    pub(super) struct Pick<'a, 'b>(pub(super) &'a [(usize, &'b [String])]);
+    pub(super) struct Pick<'a, 'b>(pub(super) &'a [(usize, &'b [Cow<'b, str>])]);
 
     type Found = Vec<(usize, Option<Value>)>;
 
@@ -123,9 +130,9 @@ mod pick {
     use serde::Deserialize;
 
     /// `Value::pointer`'s walk over already split tokens.
-    fn walk<'v>(v: &'v Value, tokens: &[String]) -> Option<&'v Value> {
+    fn walk<'v>(v: &'v Value, tokens: &[Cow<str>]) -> Option<&'v Value> {
         tokens.iter().try_fold(v, |target, token| match target {
-            Value::Object(map) => map.get(token),
+            Value::Object(map) => map.get(token.as_ref()),
             Value::Array(list) => index(token).and_then(|x| list.get(x)),
             _ => None,
         })
@@ -139,7 +146,7 @@ mod pick {
         s.parse().ok()
     }
 
-    struct PickVisitor<'a, 'b>(&'a [(usize, &'b [String])]);
+    struct PickVisitor<'a, 'b>(&'a [(usize, &'b [Cow<'b, str>])]);
 
     impl PickVisitor<'_, '_> {
         fn none(&self) -> Found {
@@ -172,7 +179,7 @@ mod pick {
                     map.next_value::<Skip>()?;
                     continue;
                 };
-                let below: Vec<(usize, &[String])> = self
+                let below: Vec<(usize, &[Cow<str>])> = self
                     .0
                     .iter()
                     .filter(|(_, t)| t[0] == key)
@@ -191,7 +198,7 @@ mod pick {
             let mut out = self.none();
             let mut n = 0usize;
             loop {
-                let below: Vec<(usize, &[String])> = self
+                let below: Vec<(usize, &[Cow<str>])> = self
                     .0
                     .iter()
                     .filter(|(_, t)| index(&t[0]) == Some(n))
@@ -218,7 +225,7 @@ mod pick {
     }
 
     /// A map key: itself when some pointer takes it next, else none (nothing kept).
-    struct KeyOf<'a, 'b>(&'a [(usize, &'b [String])]);
+    struct KeyOf<'a, 'b>(&'a [(usize, &'b [Cow<'b, str>])]);
 
     impl<'de> DeserializeSeed<'de> for KeyOf<'_, '_> {
         type Value = Option<String>;
@@ -281,8 +288,7 @@ mod pick {
 
 /// The key of an already-joined value string.
 pub fn key_of(prefix: &str, joined: &str) -> String {
-    let digest = hex::encode(Sha256::digest(joined.as_bytes()));
-    format!("{prefix}{}", &digest[..32])
+    crate::message::short_hex(prefix, &Sha256::digest(joined.as_bytes()))
 }
 
 /// A field's text: strings by their content, numbers and booleans by their JSON form, objects

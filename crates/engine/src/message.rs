@@ -5,6 +5,7 @@
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::BasicProperties;
 use sha2::{Digest, Sha256};
+use std::borrow::Cow;
 
 /// Header carrying the id of the replay that published a message.
 pub const REPLAY_ID: &str = "x-replay-id";
@@ -44,13 +45,40 @@ pub fn header_text(props: &BasicProperties, name: &str) -> Option<String> {
 
 /// The text form of a scalar AMQP value; tables, arrays and void have none.
 pub fn value_text(v: &AMQPValue) -> Option<String> {
+    value_str(v).map(Cow::into_owned)
+}
+
+/// [`value_text`], borrowed from the value where it is text already (UTF-8 strings, the
+/// common case), so that reading a header allocates nothing.
+pub fn value_str(v: &AMQPValue) -> Option<Cow<'_, str>> {
     Some(match v {
-        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
-        AMQPValue::ShortString(s) => s.as_str().to_owned(),
-        AMQPValue::Boolean(b) => b.to_string(),
-        AMQPValue::ByteArray(b) => String::from_utf8_lossy(b.as_slice()).into_owned(),
-        AMQPValue::Timestamp(t) => t.to_string(),
-        other => value_int(other)?.to_string(),
+        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()),
+        AMQPValue::ShortString(s) => Cow::Borrowed(s.as_str()),
+        AMQPValue::Boolean(b) => Cow::Owned(b.to_string()),
+        AMQPValue::ByteArray(b) => String::from_utf8_lossy(b.as_slice()),
+        AMQPValue::Timestamp(t) => Cow::Owned(t.to_string()),
+        other => Cow::Owned(value_int(other)?.to_string()),
+    })
+}
+
+/// [`header_text`], borrowed (see [`value_str`]).
+pub fn header_str<'a>(props: &'a BasicProperties, name: &str) -> Option<Cow<'a, str>> {
+    headers(props)?.inner().get(name).and_then(value_str)
+}
+
+/// A text field of the most recent `x-death` entry (the one [`first_death`] reads), borrowed:
+/// `None` when there is no readable entry, "" when the entry lacks the field.
+pub fn first_death_str<'a>(props: &'a BasicProperties, field: &str) -> Option<Cow<'a, str>> {
+    let Some(AMQPValue::FieldArray(entries)) =
+        headers(props).and_then(|h| h.inner().get("x-death"))
+    else {
+        return None;
+    };
+    entries.as_slice().iter().find_map(|e| match e {
+        AMQPValue::FieldTable(t) => {
+            Some(t.inner().get(field).and_then(value_str).unwrap_or_default())
+        }
+        _ => None,
     })
 }
 
@@ -144,7 +172,7 @@ pub fn death_count_of(deaths: &[Death], props: &BasicProperties) -> u64 {
 pub fn identity(props: &BasicProperties, body: &[u8]) -> String {
     match props.message_id() {
         Some(id) if !id.as_str().is_empty() => id.as_str().to_owned(),
-        _ => format!("sha256:{}", &hex::encode(Sha256::digest(body))[..32]),
+        _ => short_hex("sha256:", &Sha256::digest(body)),
     }
 }
 
@@ -161,13 +189,32 @@ pub fn fingerprint(props: &BasicProperties, body: &[u8]) -> String {
     );
     h.update([0]);
     h.update(body);
-    format!("m:{}", &hex::encode(h.finalize())[..32])
+    short_hex("m:", &h.finalize())
+}
+
+/// `prefix` and the first 16 bytes of `digest` in lowercase hex (32 characters), in one
+/// allocation: the names of messages and keys, made for every message.
+pub(crate) fn short_hex(prefix: &str, digest: &[u8]) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(prefix.len() + 32);
+    out.push_str(prefix);
+    for b in digest.iter().take(16) {
+        out.push(HEX[usize::from(b >> 4)] as char);
+        out.push(HEX[usize::from(b & 0xf)] as char);
+    }
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use lapin::types::{FieldArray, LongString};
+
+    #[test]
+    fn short_hex_is_the_first_32_hex_digits_after_the_prefix() {
+        let d = Sha256::digest(b"body");
+        assert_eq!(short_hex("m:", &d), format!("m:{}", &hex::encode(d)[..32]));
+    }
 
     fn with_death(count: AMQPValue) -> BasicProperties {
         let mut d = FieldTable::default();
