@@ -52,7 +52,29 @@ pub(super) async fn plan(args: PlanArgs) -> Result<ExitCode, Error> {
         "{}",
         redis_line(&report, replay.spec.accepts_redis_eviction())
     );
+    if let Some(why) = &report.exceeds {
+        println!("run would stop: {why}");
+    }
+    print_expect(report.expect.as_ref())?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The `spec.expect` stanza that approves what the plan saw, for the reviewer's pull request.
+fn print_expect(expect: Option<&crate::api::ExpectSpec>) -> Result<(), Error> {
+    let Some(expect) = expect else {
+        println!("spec.expect: nothing would be replayed, so no stanza (an empty one would approve every signature)");
+        return Ok(());
+    };
+    #[derive(serde::Serialize)]
+    struct Stanza<'a> {
+        expect: &'a crate::api::ExpectSpec,
+    }
+    let yaml = serde_yaml::to_string(&Stanza { expect }).map_err(|e| Error::Io(e.to_string()))?;
+    println!("spec.expect that approves exactly this plan (paste it under `spec:` for review):");
+    for line in yaml.lines() {
+        println!("  {line}");
+    }
+    Ok(())
 }
 
 /// What `plan` says of the replay's Redis: what `run` would find there.

@@ -1,7 +1,8 @@
 //! The replay engine against the real RabbitMQ and Redis: decisions, invariants, headers.
 //!
 //! By concern: [`modes`] (Check and Claim mode end to end), [`plan`] (plans and dry runs),
-//! [`drain`] (limits, routing, what passes through unchanged); here the errors, and the test
+//! [`drain`] (limits, routing, what passes through unchanged), [`expect`] (what a reviewer
+//! approved); here the errors, and the test
 //! kit's manifest resolution checked against the command line's.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -15,6 +16,7 @@ use lapin::BasicProperties;
 use serde_json::json;
 
 mod drain;
+mod expect;
 mod modes;
 mod plan;
 

@@ -84,6 +84,17 @@ pub(crate) async fn bad_specs_are_refused_naming_the_field(env: &Env) {
             json!({"idempotency": {"redis": redis, "mode": "Claim", "key": {"fields": [{"pointer": "/id"}]}}, "canary": {"requireDone": true}}),
             "spec.canary.requireDone",
         ),
+        ("expect-everything", json!({"expect": {}}), "spec.expect"),
+        (
+            "expect-max-replayed-0",
+            json!({"expect": {"maxReplayed": 0}}),
+            "spec.expect.maxReplayed",
+        ),
+        (
+            "expect-empty-signature",
+            json!({"expect": {"signatures": [""]}}),
+            "spec.expect.signatures[0]",
+        ),
     ];
     for (name, spec, field) in cases {
         let e = api

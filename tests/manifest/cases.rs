@@ -491,6 +491,32 @@ pub(crate) fn cases() -> Vec<Case> {
             with("    enabled: true\n", "    enabled: true\n    signatureHeader: \"\"\n"),
             "spec.canary.signatureHeader:",
         ),
+        // --- expect (what a reviewer approved)
+        case(
+            "expect that approves everything",
+            with("requireDone: false", "requireDone: false\n  expect: {}"),
+            "spec.expect:",
+        ),
+        case(
+            "expect with an empty list of signatures and no maximum",
+            with("requireDone: false", "requireDone: false\n  expect: {signatures: []}"),
+            "spec.expect:",
+        ),
+        case(
+            "expect.maxReplayed 0",
+            with("requireDone: false", "requireDone: false\n  expect: {maxReplayed: 0}"),
+            "spec.expect.maxReplayed:",
+        ),
+        case(
+            "expect.maxQuarantined below 0",
+            with("requireDone: false", "requireDone: false\n  expect: {maxQuarantined: -1}"),
+            "spec.expect.maxQuarantined:",
+        ),
+        case(
+            "expect.signatures holding an empty signature",
+            with("requireDone: false", "requireDone: false\n  expect: {signatures: [\"\"]}"),
+            "spec.expect.signatures[0]:",
+        ),
         // --- selector
         case(
             "selector.deathReasons with a reason RabbitMQ never records",

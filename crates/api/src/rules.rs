@@ -6,7 +6,7 @@ use super::DlqReplay;
 /// Spec fields that are fixed once a replay exists (everything but `suspend`): a replay is
 /// reviewed as a whole, and changing what it replays mid-way would make its audit trail lie.
 const IMMUTABLE_REQUIRED: [&str; 3] = ["broker", "source", "quarantine"];
-const IMMUTABLE_OPTIONAL: [&str; 8] = [
+const IMMUTABLE_OPTIONAL: [&str; 9] = [
     "target",
     "selector",
     "poison",
@@ -14,6 +14,7 @@ const IMMUTABLE_OPTIONAL: [&str; 8] = [
     "audit",
     "rate",
     "canary",
+    "expect",
     "dryRun",
 ];
 
@@ -108,6 +109,14 @@ pub fn rules() -> Vec<Rule> {
             "!has(self.canary) || !has(self.canary.requireDone) || !self.canary.requireDone || (has(self.idempotency) && (!has(self.idempotency.mode) || self.idempotency.mode == 'Check'))",
             Some(".canary.requireDone"),
             "needs spec.idempotency.mode: Check",
+        ),
+        // An empty stanza would approve every signature with no maximum: a reviewer reading it
+        // could take it for a limit.
+        Rule::new(
+            "spec",
+            "!has(self.expect) || (has(self.expect.signatures) && size(self.expect.signatures) > 0) || has(self.expect.maxReplayed) || has(self.expect.maxQuarantined)",
+            Some(".expect"),
+            "approves everything: list signatures, or set maxReplayed or maxQuarantined",
         ),
         // `in` is a CEL keyword: Kubernetes escapes the field's name to `__in__`.
         Rule::new(

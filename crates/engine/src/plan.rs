@@ -12,7 +12,7 @@ use serde::Serialize;
 use crate::classify::{self, Rules, SkipReason, Verdict};
 use crate::message;
 use crate::scan::Scan;
-use crate::spec::IdempotencyMode;
+use crate::spec::{ExpectSpec, IdempotencyMode, Published};
 use crate::status::{CanaryResult, CanaryStatus, Counts, Phase, ReplayStatus};
 use crate::store::Held;
 use crate::Error;
@@ -41,9 +41,46 @@ pub struct PlanReport {
     /// Why the Redis pre-flight could not be made.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub redis_error: Option<String>,
+    /// The `spec.expect` stanza that approves exactly what this plan would do: the signatures
+    /// with messages to replay, and the counts as maximums. `None` when nothing would be
+    /// replayed (an empty list of signatures would approve them all).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expect: Option<ExpectSpec>,
+    /// The `spec.expect` maximum the replay would reach (it stops there), when it has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub exceeds: Option<String>,
 }
 
 impl PlanReport {
+    /// The stanza of [`PlanReport::expect`], from the counts.
+    fn expectation(&self) -> Option<ExpectSpec> {
+        let signatures: Vec<String> = self
+            .by_signature
+            .iter()
+            .filter(|(_, c)| c.replayed > 0)
+            .map(|(s, _)| s.clone())
+            .collect();
+        (!signatures.is_empty()).then_some(ExpectSpec {
+            signatures,
+            max_replayed: Some(self.counts.replayed),
+            max_quarantined: Some(self.counts.quarantined),
+        })
+    }
+
+    /// Which of `expect`'s maximums these counts go past: where the replay would stop.
+    fn exceeded(&self, expect: &ExpectSpec) -> Option<String> {
+        let c = &self.counts;
+        [
+            (Published::Replayed, c.replayed),
+            (Published::Quarantined, c.quarantined),
+        ]
+        .into_iter()
+        .find_map(|(what, n)| {
+            n.checked_sub(1)
+                .and_then(|before| expect.exceeded(what, before))
+        })
+    }
+
     /// The status `run` reports for `dryRun: true`.
     pub fn status(&self) -> ReplayStatus {
         let c = self.counts;
@@ -83,6 +120,7 @@ pub async fn plan(replay: &Replay) -> Result<PlanReport, Error> {
         ..Default::default()
     };
     let mut selected = 0u64;
+    let expect = replay.spec.expect.as_ref();
     // Keys to look up: the key, the signature, and the message's identity when it may be its
     // signature's canary.
     let mut pending: Vec<(String, String, Option<String>)> = Vec::new();
@@ -108,6 +146,15 @@ pub async fn plan(replay: &Replay) -> Result<PlanReport, Error> {
             Verdict::Skip(SkipReason::NotSelected("selector.limit reached".into()))
         } else {
             classify::classify(&rules, &d.properties, &d.data)
+        };
+        // As the drain decides it: a signature spec.expect does not approve is held back.
+        let verdict = match verdict {
+            Verdict::Replay { .. } if expect.is_some_and(|e| !e.approves(&sig)) => {
+                Verdict::Skip(SkipReason::NotSelected(
+                    "NotApproved: signature not in spec.expect.signatures".into(),
+                ))
+            }
+            v => v,
         };
         let by_sig = report.by_signature.entry(sig.clone()).or_default();
         report.counts.scanned += 1;
@@ -150,6 +197,8 @@ pub async fn plan(replay: &Replay) -> Result<PlanReport, Error> {
         scan.keep(msg).await?;
     }
     scan.finish().await?;
+    report.expect = report.expectation();
+    report.exceeds = expect.and_then(|e| report.exceeded(e));
     // What `run` would refuse, said to the reviewer before it is applied.
     let decided = report.counts.scanned - report.counts.skipped;
     match crate::redis_check(&replay.spec, &mut redis_con, decided).await {

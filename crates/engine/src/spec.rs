@@ -47,6 +47,12 @@ pub struct DlqReplaySpec {
     /// The canary: prove the fix on one message per failure signature before draining the rest.
     #[serde(default)]
     pub canary: CanarySpec,
+    /// What a reviewer approved: the failure signatures to replay and the most messages to
+    /// replay and to quarantine. The replay never does more: a message of another signature
+    /// stays in the dead-letter queue, and reaching a maximum stops the replay. `dlq-replay plan`
+    /// prints the stanza that matches what the queue holds. Absent: no limit but the others.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expect: Option<ExpectSpec>,
     /// Classify every message and report the counts, without publishing, acking, claiming or
     /// writing anything. The dead-letter queue is left exactly as it was.
     #[serde(default)]
@@ -54,6 +60,73 @@ pub struct DlqReplaySpec {
     /// Pause the replay once the messages in flight have settled; set back to false to resume.
     #[serde(default)]
     pub suspend: bool,
+}
+
+/// The most a replay may do (`spec.expect`), as a reviewer approved it.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ExpectSpec {
+    /// The failure signatures approved for replay, as `dlq-replay plan` and the status name them
+    /// (the `canary.signatureHeader` value as `header=value`, else `reason@queue` of the most
+    /// recent death). A message of any other signature is held back: it stays in the dead-letter
+    /// queue with its bytes unchanged and in order (moved to the tail), counted as `skipped`
+    /// with the reason `NotApproved`, and listed in `status.notApproved`; it gets no canary.
+    /// Empty: every signature.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 1000), inner(length(min = 1, max = 1024)))]
+    pub signatures: Vec<String>,
+    /// The most messages to replay (canaries included; at least 1). Before publishing one more,
+    /// the replay stops: `Failed`, with a message that says so; what it did not replay stays in
+    /// the dead-letter queue. To replay more, review a new replay with a higher limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub max_replayed: Option<u64>,
+    /// The most messages to quarantine (0: none expected). Before quarantining one more, the
+    /// replay stops as for `maxReplayed`: more poison than reviewed means the queue is not what
+    /// was approved.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_quarantined: Option<u64>,
+}
+
+impl ExpectSpec {
+    /// Whether `signature` may be replayed: the one test of approval, for `run` and `plan`.
+    pub fn approves(&self, signature: &str) -> bool {
+        self.signatures.is_empty() || self.signatures.iter().any(|s| s == signature)
+    }
+
+    /// Why publishing one more message as `what` (`Replayed` or `Quarantined`) would go past
+    /// its maximum, with `done` such messages published or on their way: the reason the replay
+    /// stops, or `None` when there is room.
+    pub fn exceeded(&self, what: Published, done: u64) -> Option<String> {
+        let (max, field) = match what {
+            Published::Replayed => (self.max_replayed?, "maxReplayed"),
+            Published::Quarantined => (self.max_quarantined?, "maxQuarantined"),
+        };
+        (done >= max).then(|| {
+            format!(
+                "ExpectationReached: spec.expect.{field} is {max} and {done} are {}; the rest stays in the dead-letter queue (review a new replay to go on)",
+                what.as_str()
+            )
+        })
+    }
+}
+
+/// What a publish makes of a message, for the limits of [`ExpectSpec`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Published {
+    /// Replayed to its target.
+    Replayed,
+    /// Sent to quarantine.
+    Quarantined,
+}
+
+impl Published {
+    fn as_str(self) -> &'static str {
+        match self {
+            Published::Replayed => "replayed",
+            Published::Quarantined => "quarantined",
+        }
+    }
 }
 
 /// How to reach a server: an inline URL (for local runs) or a key of a Secret in the replay's

@@ -60,6 +60,10 @@ pub struct ReplayStatus {
     /// The canaries, one per failure signature.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub canary: Vec<CanaryStatus>,
+    /// Signatures met that `spec.expect.signatures` does not approve, with how many of their
+    /// messages this run held back (left in the dead-letter queue).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub not_approved: std::collections::BTreeMap<String, u64>,
     /// Where the audit trail is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub audit: Option<AuditRef>,

@@ -7,6 +7,7 @@ use lapin::message::Delivery;
 use super::{Act, Aside, Drain, Item};
 use crate::canary::Gate;
 use crate::classify::{self, Rules, SkipReason, Verdict};
+use crate::spec::Published;
 use crate::{message, watch};
 
 /// A delivery on its way into a step: fresh from the queue, or set aside before and released
@@ -35,6 +36,44 @@ impl From<Aside> for Input {
 pub(super) const HOLD_MAX: std::time::Duration = std::time::Duration::from_secs(25 * 60);
 
 impl Drain<'_> {
+    /// Whether `spec.expect` approves the signature (every one without it).
+    fn approves(&self, signature: &str) -> bool {
+        self.replay
+            .spec
+            .expect
+            .as_ref()
+            .is_none_or(|e| e.approves(signature))
+    }
+
+    /// `spec.expect`'s maximums on a step the gate has decided (duplicates are known, so they
+    /// do not count): its replays and quarantines, in order, until one more would go past a
+    /// maximum. From that one on nothing is published (left unacked: back in the queue when the
+    /// pass closes), and the pass ends `Failed` saying which maximum was reached. The publishes
+    /// counted are those admitted, confirmed or not, so none is ever past the maximum.
+    pub(super) fn hold_to_expectations(&mut self, items: &mut [Item]) {
+        let Some(expect) = self.replay.spec.expect.as_ref() else {
+            return;
+        };
+        for it in items.iter_mut() {
+            let (what, done) = match it.act {
+                Act::Replay(_) => (Published::Replayed, &mut self.published.0),
+                Act::Quarantine(_) => (Published::Quarantined, &mut self.published.1),
+                _ => continue,
+            };
+            if self.refused.is_some() {
+                it.act = Act::Unsent;
+                continue;
+            }
+            match expect.exceeded(what, *done) {
+                Some(why) => {
+                    self.refused = Some(why);
+                    it.act = Act::Unsent;
+                }
+                None => *done += 1,
+            }
+        }
+    }
+
     pub(super) fn limit_reached(&self) -> bool {
         self.replay
             .spec
@@ -105,6 +144,8 @@ impl Drain<'_> {
             // anything moves.
             let verdict = classify::classify(rules, &item.delivery.properties, &item.delivery.data);
             let (sig, poison, landing) = match &verdict {
+                // Not approved: no canary, no pre-flight, not one of the signatures counted.
+                Verdict::Replay { .. } if !self.approves(&item.signature) => (None, false, None),
                 Verdict::Replay { .. } => (
                     Some(item.signature.as_str()),
                     false,
@@ -150,6 +191,20 @@ impl Drain<'_> {
                 None,
             ),
             Verdict::Poison(r) => (Act::Quarantine(r), None),
+            Verdict::Replay { .. } if !self.approves(&item.signature) => {
+                let n = self.status.not_approved.entry(item.signature.clone());
+                *n.or_default() += 1;
+                (
+                    Act::Skip {
+                        reason: format!(
+                            "NotApproved: signature {:?} is not in spec.expect.signatures",
+                            item.signature
+                        ),
+                        returned: false,
+                    },
+                    None,
+                )
+            }
             Verdict::Replay { key, destination } => {
                 if fresh {
                     self.canary.count(&item.signature);

@@ -135,6 +135,14 @@ impl Drain<'_> {
                 sigs.join(", ")
             ));
         }
+        if !status.not_approved.is_empty() {
+            let held: u64 = status.not_approved.values().sum();
+            let sigs: Vec<&str> = status.not_approved.keys().map(String::as_str).collect();
+            summary.push_str(&format!(
+                "; {held} held back in the queue because spec.expect.signatures does not approve their signature ({})",
+                sigs.join(", ")
+            ));
+        }
         let out = self.canary.out_count();
         let (phase, message) = match end {
             // Past selector.limit the pass went on to its bound, skipping: a message that stays

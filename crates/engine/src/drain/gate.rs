@@ -74,6 +74,7 @@ impl Drain<'_> {
             )
             .await?;
         self.decide(items, &ask, lookups);
+        self.hold_to_expectations(items);
         Ok(())
     }
 

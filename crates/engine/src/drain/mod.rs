@@ -203,8 +203,12 @@ pub(super) struct Drain<'a> {
     release_due: bool,
     /// The first look-ahead found nothing more to read.
     opening_idle: bool,
-    /// A signature past `canary.maxSignatures` was met: the pass ends (why).
+    /// A signature past `canary.maxSignatures` was met, or a `spec.expect` maximum reached:
+    /// the pass ends (why).
     refused: Option<String>,
+    /// Replays and quarantines published (or on their way) by this replay, this pass's
+    /// included, for `spec.expect`'s maximums.
+    published: (u64, u64),
     /// Landing queues that passed their pre-flight in this pass.
     checked: HashMap<String, tokio::time::Instant>,
     last_look: Option<tokio::time::Instant>,
@@ -277,6 +281,7 @@ impl<'a> Drain<'a> {
             release_due: false,
             opening_idle: false,
             refused: None,
+            published: (state.counts.replayed, state.counts.quarantined),
             checked: HashMap::new(),
             last_look: None,
             last_recheck: None,
