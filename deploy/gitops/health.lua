@@ -6,7 +6,7 @@
 --   Pending, Canary, Draining   -> Progressing
 --   Done                        -> Healthy
 --   Failed, CanaryFailed        -> Degraded
---   Suspended                   -> Suspended
+--   Suspended, AwaitingApproval -> Suspended (waits for a person: spec.suspend, an approval)
 --   no status yet, or a status older than the spec (observedGeneration < generation)
 --                               -> Progressing
 local hs = {}
@@ -31,6 +31,7 @@ local health = {
   Failed = "Degraded",
   CanaryFailed = "Degraded",
   Suspended = "Suspended",
+  AwaitingApproval = "Suspended",
 }
 local phase = status.phase
 local message = phase

@@ -176,6 +176,11 @@ pub struct RunArgs {
     /// resumes on any rerun without it; a Done one is not reopened.
     #[arg(long)]
     pub retry: bool,
+    /// With `spec.requireApproval`: the digest of the plan you approve (`dlq-replay plan` prints
+    /// it). The replay plans again and runs only when the queue still gives that digest, bound
+    /// to that plan (its signatures and counts).
+    #[arg(long, value_name = "DIGEST")]
+    pub approve: Option<String>,
 }
 
 /// `plan` arguments.
@@ -407,7 +412,16 @@ pub fn resolve(resource: &DlqReplay, endpoints: &Endpoints) -> Result<Replay, Er
 
 async fn run(args: RunArgs) -> Result<ExitCode, Error> {
     let mut resource = manifest::load(&args.file)?;
-    let replay = resolve(&resource, &args.endpoints)?;
+    let mut replay = resolve(&resource, &args.endpoints)?;
+    if replay.spec.require_approval && !replay.spec.dry_run {
+        match approved(&replay, args.approve.as_deref()).await? {
+            Ok(expect) => replay.spec.expect = Some(expect),
+            Err(why) => {
+                eprintln!("error: {why}");
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+    }
     let opts = Options {
         window: args.window.max(1),
         pending_timeout: Some(Duration::from_secs(args.pending_timeout)),
@@ -434,6 +448,43 @@ async fn run(args: RunArgs) -> Result<ExitCode, Error> {
     resource.status = Some(status.clone().into());
     print_resource(&resource, args.output)?;
     Ok(exit_for(&status))
+}
+
+/// `spec.requireApproval` out of the cluster: the replay plans, and runs only when `--approve`
+/// names the plan's digest, bound to that plan as `spec.expect` would bind it (what an earlier
+/// run of it did counts on top: the plan sees only what is left). `Err`: why it does not run.
+async fn approved(
+    replay: &Replay,
+    asked: Option<&str>,
+) -> Result<Result<crate::api::ExpectSpec, String>, Error> {
+    let report = crate::engine::plan::plan(replay).await?;
+    let c = report.counts;
+    let summary = format!(
+        "plan {} would replay {}, drop {} duplicates, quarantine {}, skip {} of {} messages",
+        report.digest, c.replayed, c.duplicates, c.quarantined, c.skipped, report.depth
+    );
+    match asked {
+        None => return Ok(Err(format!(
+            "spec.requireApproval: nothing moved; {summary}; `dlq-replay plan -f FILE` shows it, `--approve {}` runs it",
+            report.digest
+        ))),
+        Some(d) if d != report.digest => return Ok(Err(format!(
+            "--approve {d} is not the current plan (the dead-letter queue or its decisions changed); nothing moved; {summary}"
+        ))),
+        Some(_) => {}
+    }
+    let mut expect = crate::engine::plan::approved(&report.counts, &report.by_signature);
+    let con = store::connect(&replay.redis_url).await?;
+    if let Some(state) = store::Store::peek(con, &replay.namespace, &replay.state_name()).await? {
+        let add = |max: Option<u64>, done: u64| max.map(|m| m + done);
+        expect.max_replayed = add(expect.max_replayed, state.counts.replayed);
+        expect.max_quarantined = add(expect.max_quarantined, state.counts.quarantined);
+    }
+    eprintln!("approved: {summary}");
+    Ok(Ok(match &replay.spec.expect {
+        Some(e) => e.narrowed(&expect),
+        None => expect,
+    }))
 }
 
 /// Run the engine with a progress bar on a terminal, stopping cleanly on Ctrl-C.

@@ -52,6 +52,10 @@ pub(super) async fn plan(args: PlanArgs) -> Result<ExitCode, Error> {
         "{}",
         redis_line(&report, replay.spec.accepts_redis_eviction())
     );
+    println!(
+        "plan digest: {} (what an approval names: `dlq-replay run --approve DIGEST`, or the annotation replay.dlq.dev/approve with spec.requireApproval)",
+        report.digest
+    );
     if let Some(why) = &report.exceeds {
         println!("run would stop: {why}");
     }

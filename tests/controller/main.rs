@@ -10,7 +10,7 @@
 //! on both the engine's Redis state of the test's namespace is deleted after the test.
 //!
 //! The scenarios by concern, in modules of their own: [`lifecycle`], [`canary`], [`retries`],
-//! [`leader`], [`binary`] (the operator as a child process); the `fake::`/`e2e::` tests are made
+//! [`approval`], [`leader`], [`binary`] (the operator as a child process); the `fake::`/`e2e::` tests are made
 //! here, so their names do not change with the module a scenario lives in.
 
 use std::panic::AssertUnwindSafe;
@@ -24,12 +24,14 @@ use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::ResourceExt;
 use serde_json::{json, Value};
 
+mod approval;
 mod binary;
 mod canary;
 mod leader;
 mod lifecycle;
 mod retries;
 
+use approval::*;
 use binary::*;
 use canary::*;
 use leader::*;
@@ -230,4 +232,5 @@ scenarios!(
     deleting_a_replay_during_a_ten_minute_canary_wait_returns_within_seconds,
     suspending_during_the_canary_wait_says_so_and_resuming_sends_new_canaries,
     the_lease_is_taken_at_once_after_a_release_and_after_expiry_otherwise,
+    a_replay_that_requires_approval_waits_refuses_a_stale_digest_and_runs_on_the_current_one,
 );

@@ -170,3 +170,67 @@ async fn the_stanza_plan_prints_approves_exactly_what_the_run_then_does(t: Targe
     assert!(status.not_approved.is_empty());
     w.cleanup().await;
 }
+
+/// `dlq-replay run` of a manifest with `requireApproval`: nothing moves without `--approve`, nor
+/// with a digest the queue no longer gives; the digest `plan` printed runs it.
+#[tokio::test]
+async fn run_requires_the_current_plan_digest_with_require_approval() {
+    let w = World::new("expect-cli").await;
+    w.dead_letter((0..5).map(|i| job(&format!("c{i}"), json!({}))).collect())
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("replay.yaml");
+    let resource = w.manifest("  requireApproval: true\n");
+    std::fs::write(&file, serde_yaml::to_string(&resource).unwrap()).unwrap();
+    let cli = |args: &[&str]| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_dlq-replay"));
+        cmd.args(args)
+            .arg("-f")
+            .arg(&file)
+            .env("REDIS_URL", REDIS)
+            .env_remove("AMQP_URL");
+        cmd.output().unwrap()
+    };
+    let plan = cli(&["plan"]);
+    let text = String::from_utf8_lossy(&plan.stdout).to_string();
+    let digest = text
+        .lines()
+        .find_map(|l| l.strip_prefix("plan digest: "))
+        .and_then(|l| l.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no digest in {text}"))
+        .to_string();
+    let refused = cli(&["run", "--no-progress"]);
+    assert_eq!(refused.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        err.contains("spec.requireApproval") && err.contains(&digest),
+        "{err}"
+    );
+    assert_eq!(w.depth(&w.topo.dlq).await, 5, "nothing moved");
+    // One more dead letter: the digest plan printed is stale.
+    w.dead_letter(vec![job("late", json!({}))]).await;
+    let stale = cli(&["run", "--no-progress", "--approve", &digest]);
+    assert_eq!(stale.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&stale.stderr);
+    assert!(err.contains("is not the current plan"), "{err}");
+    assert_eq!(w.depth(&w.topo.dlq).await, 6, "nothing moved");
+    let text = String::from_utf8_lossy(&cli(&["plan"]).stdout).to_string();
+    let current = text
+        .lines()
+        .find_map(|l| l.strip_prefix("plan digest: "))
+        .and_then(|l| l.split_whitespace().next())
+        .unwrap()
+        .to_string();
+    assert_ne!(current, digest);
+    let ran = cli(&["run", "--no-progress", "-o", "json", "--approve", &current]);
+    assert_eq!(
+        ran.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&ran.stderr)
+    );
+    let out: serde_json::Value = serde_json::from_slice(&ran.stdout).unwrap();
+    assert_eq!(out["status"]["phase"], "Done", "{out}");
+    assert_eq!(out["status"]["counts"]["replayed"], 6, "{out}");
+    w.cleanup().await;
+}

@@ -33,7 +33,7 @@ fn argo_health(phase: Phase) -> &'static str {
         Phase::Pending | Phase::Canary | Phase::Draining => "Progressing",
         Phase::Done => "Healthy",
         Phase::Failed | Phase::CanaryFailed => "Degraded",
-        Phase::Suspended => "Suspended",
+        Phase::Suspended | Phase::AwaitingApproval => "Suspended",
     }
 }
 

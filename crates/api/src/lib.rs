@@ -27,6 +27,9 @@ pub const KIND: &str = "DlqReplay";
 /// The annotation that retries a `Failed` or `CanaryFailed` replay in place: set it to a value
 /// that `status.retriedFor` does not hold yet (e.g. a timestamp).
 pub const RETRY_ANNOTATION: &str = "replay.dlq.dev/retry";
+/// The annotation that approves a replay's plan (`spec.requireApproval`): set it to
+/// `status.plan.digest`, the plan a person read and approves.
+pub const APPROVE_ANNOTATION: &str = "replay.dlq.dev/approve";
 
 // The `spec` of a `DlqReplay`: the engine's `DlqReplaySpec`, unchanged on the wire and in the
 // schema (transparent: the schema's description is the engine type's doc comment, so this one is
@@ -42,6 +45,8 @@ pub const RETRY_ANNOTATION: &str = "replay.dlq.dev/retry";
     status = "DlqReplayStatus",
     doc = "A safe, audited replay of a RabbitMQ dead-letter queue.",
     printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
+    printcolumn = r#"{"name":"Plan","type":"string","jsonPath":".status.plan.digest"}"#,
+    printcolumn = r#"{"name":"To Replay","type":"integer","priority":1,"jsonPath":".status.plan.counts.replayed"}"#,
     printcolumn = r#"{"name":"Replayed","type":"integer","jsonPath":".status.counts.replayed"}"#,
     printcolumn = r#"{"name":"Duplicates","type":"integer","jsonPath":".status.counts.duplicates"}"#,
     printcolumn = r#"{"name":"Quarantined","type":"integer","jsonPath":".status.counts.quarantined"}"#,
@@ -99,6 +104,35 @@ pub struct DlqReplayStatus {
     /// says why).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retried_for: Option<String>,
+    /// With `spec.requireApproval`: the plan the operator made in the cluster, which waits for
+    /// approval (or was approved).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plan: Option<PlanStatus>,
+    /// The digest of the plan that was approved: the replay runs within that plan.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approved_digest: Option<String>,
+    /// The last `replay.dlq.dev/approve` value the operator refused (an older plan's digest):
+    /// not acted on again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub approval_refused_for: Option<String>,
+}
+
+/// A plan made in the cluster for approval (`status.plan`).
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PlanStatus {
+    /// What the approval annotation must carry: a hash of the messages the plan read and of
+    /// its decisions (`sha256:` and 32 hex digits).
+    pub digest: String,
+    /// When the plan was made (RFC 3339).
+    pub planned_at: String,
+    /// Messages in the dead-letter queue when it was made.
+    pub depth: u64,
+    /// What the replay would do (`replayed`: would replay).
+    pub counts: Counts,
+    /// The same per failure signature.
+    #[serde(default)]
+    pub by_signature: std::collections::BTreeMap<String, Counts>,
 }
 
 // The status reads as the engine's with more fields: `status.phase`, `status.counts`.

@@ -8,6 +8,7 @@
 use std::collections::{BTreeMap, HashSet};
 
 use serde::Serialize;
+use sha2::Digest as _;
 
 use crate::classify::{self, Rules, SkipReason, Verdict};
 use crate::message;
@@ -49,22 +50,46 @@ pub struct PlanReport {
     /// The `spec.expect` maximum the replay would reach (it stops there), when it has one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub exceeds: Option<String>,
+    /// What an approval names (`sha256:` and 32 hex digits): a hash of every message the plan
+    /// read (message id and body, in queue order) and of the decisions it counted. Any message
+    /// added, removed or changed, or a decision that changed (a key marked done since), gives
+    /// another digest.
+    pub digest: String,
+}
+
+/// The `spec.expect` an approved plan amounts to: the signatures it would replay and its counts
+/// as maximums. A plan that replays nothing approves no replay (a maximum of 0), never every
+/// signature.
+pub fn approved(counts: &Counts, by_signature: &BTreeMap<String, Counts>) -> ExpectSpec {
+    let signatures: Vec<String> = by_signature
+        .iter()
+        .filter(|(_, c)| c.replayed > 0)
+        .map(|(s, _)| s.clone())
+        .collect();
+    ExpectSpec {
+        max_replayed: Some(if signatures.is_empty() {
+            0
+        } else {
+            counts.replayed
+        }),
+        signatures,
+        max_quarantined: Some(counts.quarantined),
+    }
 }
 
 impl PlanReport {
     /// The stanza of [`PlanReport::expect`], from the counts.
     fn expectation(&self) -> Option<ExpectSpec> {
-        let signatures: Vec<String> = self
-            .by_signature
-            .iter()
-            .filter(|(_, c)| c.replayed > 0)
-            .map(|(s, _)| s.clone())
-            .collect();
-        (!signatures.is_empty()).then_some(ExpectSpec {
-            signatures,
-            max_replayed: Some(self.counts.replayed),
-            max_quarantined: Some(self.counts.quarantined),
-        })
+        let e = approved(&self.counts, &self.by_signature);
+        (!e.signatures.is_empty()).then_some(e)
+    }
+
+    /// The digest of the messages read (`read`: their fingerprints hashed in order) and of the
+    /// decisions counted.
+    fn sealed(&self, read: sha2::Sha256) -> String {
+        let mut h = read;
+        h.update(serde_json::to_vec(&(&self.counts, &self.by_signature)).unwrap_or_default());
+        crate::message::short_hex("sha256:", &h.finalize())
     }
 
     /// Which of `expect`'s maximums these counts go past: where the replay would stop.
@@ -121,6 +146,7 @@ pub async fn plan(replay: &Replay) -> Result<PlanReport, Error> {
     };
     let mut selected = 0u64;
     let expect = replay.spec.expect.as_ref();
+    let mut read = sha2::Sha256::new();
     // Keys to look up: the key, the signature, and the message's identity when it may be its
     // signature's canary.
     let mut pending: Vec<(String, String, Option<String>)> = Vec::new();
@@ -140,6 +166,7 @@ pub async fn plan(replay: &Replay) -> Result<PlanReport, Error> {
         }
         let Some(msg) = next else { break };
         let d = &msg;
+        read.update(message::fingerprint(&d.properties, &d.data).as_bytes());
         let sig = classify::signature(&replay.spec.canary.signature_header, &d.properties);
         let limited = replay.spec.selector.limit.is_some_and(|l| selected >= l);
         let verdict = if limited {
@@ -198,6 +225,7 @@ pub async fn plan(replay: &Replay) -> Result<PlanReport, Error> {
     }
     scan.finish().await?;
     report.expect = report.expectation();
+    report.digest = report.sealed(read);
     report.exceeds = expect.and_then(|e| report.exceeded(e));
     // What `run` would refuse, said to the reviewer before it is applied.
     let decided = report.counts.scanned - report.counts.skipped;

@@ -57,6 +57,16 @@ pub struct DlqReplaySpec {
     /// writing anything. The dead-letter queue is left exactly as it was.
     #[serde(default)]
     pub dry_run: bool,
+    /// Wait for a person to approve the plan before anything moves. The operator plans the
+    /// replay in the cluster (as `dlq-replay plan` does), writes the plan to `status.plan` with
+    /// a digest of what the queue held, and waits in phase `AwaitingApproval` until the
+    /// annotation `replay.dlq.dev/approve` carries that digest. It plans again then: when the
+    /// queue changed, the approval is refused (an Event says so) and the new plan waits for its
+    /// own. An approved plan is the most the replay does, as `spec.expect` would make it: its
+    /// signatures, its counts of messages to replay and to quarantine. `dlq-replay run` asks for
+    /// the digest with `--approve`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub require_approval: bool,
     /// Pause the replay once the messages in flight have settled; set back to false to resume.
     #[serde(default)]
     pub suspend: bool,
@@ -92,6 +102,38 @@ impl ExpectSpec {
     /// Whether `signature` may be replayed: the one test of approval, for `run` and `plan`.
     pub fn approves(&self, signature: &str) -> bool {
         self.signatures.is_empty() || self.signatures.iter().any(|s| s == signature)
+    }
+
+    /// The limits that hold both `self` and `other`: the signatures both approve and the lower
+    /// of each maximum. When the two lists share no signature, no replay is left (a maximum of
+    /// 0), never an empty list (which approves every signature).
+    pub fn narrowed(&self, other: &ExpectSpec) -> ExpectSpec {
+        let min = |a: Option<u64>, b: Option<u64>| match (a, b) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        let mut max_replayed = min(self.max_replayed, other.max_replayed);
+        let signatures = match (self.signatures.is_empty(), other.signatures.is_empty()) {
+            (true, _) => other.signatures.clone(),
+            (_, true) => self.signatures.clone(),
+            _ => {
+                let both: Vec<String> = self
+                    .signatures
+                    .iter()
+                    .filter(|s| other.signatures.contains(s))
+                    .cloned()
+                    .collect();
+                if both.is_empty() {
+                    max_replayed = Some(0);
+                }
+                both
+            }
+        };
+        ExpectSpec {
+            signatures,
+            max_replayed,
+            max_quarantined: min(self.max_quarantined, other.max_quarantined),
+        }
     }
 
     /// Why publishing one more message as `what` (`Replayed` or `Quarantined`) would go past

@@ -12,6 +12,9 @@ use crate::spec::{is_default, AuditSink};
 pub enum Phase {
     /// Waiting for its pre-flight checks (credentials, queues, consumer, backlog).
     Pending,
+    /// `spec.requireApproval`: planned, nothing moved; waiting for a person to approve the plan
+    /// (`status.plan.digest` in the annotation `replay.dlq.dev/approve`).
+    AwaitingApproval,
     /// Canary messages are out; waiting to see whether they come back.
     Canary,
     /// Replaying the selected messages.
@@ -44,7 +47,7 @@ impl std::fmt::Display for Phase {
 #[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ReplayStatus {
-    /// Pending, Canary, Draining, Done, CanaryFailed, Failed or Suspended.
+    /// Pending, AwaitingApproval, Canary, Draining, Done, CanaryFailed, Failed or Suspended.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<Phase>,
     /// The id tagged on every replayed message as `x-replay-id`.

@@ -15,6 +15,7 @@
 //! itself), `task` (one replay's engine run and its status as it goes), `writes` (status writes
 //! and Events), `status` (what a status says: conditions, phases), `secrets` (URLs from Secrets).
 
+mod approval;
 mod leader;
 pub mod lease;
 mod secrets;
@@ -272,13 +273,27 @@ async fn apply(obj: Arc<DlqReplay>, ctx: Arc<Context>) -> Result<Action, Error> 
         keep_state(&ctx, &obj).await;
         return Ok(Action::requeue(KEEP_SUSPENDED));
     }
-    let replay = match resolve(&ctx.client, &obj).await {
+    let mut replay = match resolve(&ctx.client, &obj).await {
         Ok(r) => r,
         Err(why) => {
             set_pending(&ctx, &obj, Phase::Pending, &why).await?;
             return Ok(Action::requeue(Duration::from_secs(5)));
         }
     };
+    let mut obj = obj;
+    if obj.spec.require_approval && !obj.spec.dry_run {
+        match approval::gate(&ctx, &obj, replay).await? {
+            approval::Approval::Run(bound, written) => {
+                replay = *bound;
+                if let Some(status) = written {
+                    let mut o = (*obj).clone();
+                    o.status = Some(*status);
+                    obj = Arc::new(o);
+                }
+            }
+            approval::Approval::Wait(action) => return Ok(action),
+        }
+    }
     let source = format!(
         "{}|{}",
         crate::redact::url(&replay.amqp_url),

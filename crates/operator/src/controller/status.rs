@@ -17,7 +17,7 @@ pub fn now() -> Time {
 ///
 /// | phase                        | Ready | Reconciling | Stalled | Progressing | Degraded |
 /// |------------------------------|-------|-------------|---------|-------------|----------|
-/// | Pending                      | False | True        | False   | False       | False    |
+/// | Pending, AwaitingApproval    | False | True        | False   | False       | False    |
 /// | Canary, Draining             | False | True        | False   | True        | False    |
 /// | Done                         | True  | False       | False   | False       | False    |
 /// | Failed (InvalidSpec too), CanaryFailed | False | False | True | False     | True     |
@@ -49,7 +49,10 @@ pub fn conditions(
         ),
         (
             "Reconciling",
-            matches!(phase, Phase::Pending | Phase::Canary | Phase::Draining),
+            matches!(
+                phase,
+                Phase::Pending | Phase::AwaitingApproval | Phase::Canary | Phase::Draining
+            ),
         ),
         (
             "Stalled",
@@ -259,6 +262,7 @@ mod tests {
             (Phase::Failed, "False", "False", "True"),
             (Phase::CanaryFailed, "False", "False", "True"),
             (Phase::Suspended, "False", "False", "False"),
+            (Phase::AwaitingApproval, "False", "True", "False"),
         ];
         // Every phase is in the table (a new one must be placed).
         let schema = serde_json::to_value(schemars::schema_for!(Phase)).unwrap();

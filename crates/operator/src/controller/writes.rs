@@ -90,6 +90,21 @@ pub(super) async fn write_status(
     if status.retried_for.is_none() {
         status.retried_for = obj.status.as_ref().and_then(|s| s.retried_for.clone());
     }
+    // Nor which plan was approved: what the approval wrote stays (an apply without them would
+    // remove them).
+    if let Some(old) = obj.status.as_ref() {
+        if status.plan.is_none() {
+            status.plan.clone_from(&old.plan);
+        }
+        if status.approved_digest.is_none() {
+            status.approved_digest.clone_from(&old.approved_digest);
+        }
+        if status.approval_refused_for.is_none() {
+            status
+                .approval_refused_for
+                .clone_from(&old.approval_refused_for);
+        }
+    }
     status.conditions = status::conditions(&status, &previous, generation, &status::now());
     let body = status::apply_body(&status);
     let params = PatchParams::apply(MANAGER).force();

@@ -1,0 +1,110 @@
+//! `spec.requireApproval`: the operator plans in the cluster and waits; an approval that names
+//! another plan, or a plan the queue no longer matches, is refused with an Event and a new plan
+//! is written; the current digest starts the replay, bound to that plan.
+
+use super::*;
+
+pub(crate) async fn annotate_approve(api: &Api<DlqReplay>, name: &str, value: &str) {
+    let patch = json!({"metadata": {"annotations": {dlq_replay::api::APPROVE_ANNOTATION: value}}});
+    api.patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+}
+
+fn digest(r: &DlqReplay) -> String {
+    r.status
+        .as_ref()
+        .and_then(|s| s.plan.as_ref())
+        .map(|p| p.digest.clone())
+        .unwrap_or_default()
+}
+
+pub(crate) async fn a_replay_that_requires_approval_waits_refuses_a_stale_digest_and_runs_on_the_current_one(
+    c: &Cluster,
+) {
+    let w = World::new("ctl-approve").await;
+    w.dead_letter((0..20).map(|i| job(&format!("a{i}"), json!({}))).collect())
+        .await;
+    secrets(c).await;
+    let (_op, _stop) = operator(c);
+    let api = replays(c);
+    let r = resource(&w, c.ns(), "approve", "  requireApproval: true\n");
+    api.create(&PostParams::default(), &r).await.unwrap();
+    let waiting = wait_for(&api, "approve", "AwaitingApproval", |r| {
+        phase(r) == Some(Phase::AwaitingApproval)
+    })
+    .await;
+    let s = waiting.status.clone().unwrap();
+    let plan = s.plan.clone().expect("status.plan");
+    assert_eq!((plan.depth, plan.counts.replayed), (20, 20), "{plan:?}");
+    assert!(plan.digest.starts_with("sha256:"), "{plan:?}");
+    assert!(
+        s.message
+            .as_deref()
+            .unwrap_or("")
+            .starts_with("AwaitingApproval: plan"),
+        "{s:?}"
+    );
+    // kstatus: in progress, not ready.
+    assert_eq!(condition(&waiting, "Reconciling").as_deref(), Some("True"));
+    assert_eq!(condition(&waiting, "Ready").as_deref(), Some("False"));
+    // Nothing moved while it waits.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(w.depth(&w.topo.dlq).await, 20);
+    assert_eq!(w.depth(&w.topo.work).await, 0);
+
+    // A digest that is not the plan's: refused.
+    annotate_approve(&api, "approve", "sha256:0000").await;
+    let refused = wait_for(&api, "approve", "the refusal recorded", |r| {
+        r.status
+            .as_ref()
+            .and_then(|s| s.approval_refused_for.as_deref())
+            == Some("sha256:0000")
+    })
+    .await;
+    assert_eq!(phase(&refused), Some(Phase::AwaitingApproval));
+    assert_eq!(digest(&refused), plan.digest, "the queue did not change");
+    let events = events_once(c, |e| reasons(e).contains(&"ApprovalRefused".to_string())).await;
+    assert!(
+        reasons(&events).contains(&"ApprovalRefused".to_string()),
+        "{events:?}"
+    );
+
+    // The queue changes after the plan was read; its digest is stale now.
+    w.dead_letter(vec![job("late", json!({}))]).await;
+    annotate_approve(&api, "approve", &plan.digest).await;
+    let replanned = wait_for(&api, "approve", "a new plan", |r| {
+        !digest(r).is_empty() && digest(r) != plan.digest
+    })
+    .await;
+    assert_eq!(phase(&replanned), Some(Phase::AwaitingApproval));
+    let new_plan = replanned.status.clone().unwrap().plan.unwrap();
+    assert_eq!(
+        (new_plan.depth, new_plan.counts.replayed),
+        (21, 21),
+        "{new_plan:?}"
+    );
+    assert_eq!(
+        w.depth(&w.topo.work).await,
+        0,
+        "nothing moves on a stale approval"
+    );
+
+    // The current digest: it runs, within that plan.
+    annotate_approve(&api, "approve", &new_plan.digest).await;
+    let done = wait_for(&api, "approve", "Done", |r| phase(r) == Some(Phase::Done)).await;
+    let s = done.status.clone().unwrap();
+    assert_eq!(s.approved_digest.as_deref(), Some(new_plan.digest.as_str()));
+    assert_eq!(s.counts.replayed, 21, "{s:?}");
+    assert_eq!(
+        s.plan.as_ref().map(|p| p.digest.clone()),
+        Some(new_plan.digest.clone())
+    );
+    assert_eq!(w.take(&w.topo.work).await.len(), 21);
+    let events = events_once(c, |e| reasons(e).contains(&"Approved".to_string())).await;
+    assert!(
+        reasons(&events).contains(&"Approved".to_string()),
+        "{events:?}"
+    );
+    w.cleanup().await;
+}
