@@ -10,8 +10,11 @@
 //! - [`manifest`] (`dlq-replay-validate`): a manifest checked as kube-apiserver checks it;
 //! - [`controller`] and [`metrics`] (`dlq-replay-operator`): the operator;
 //! - [`fixture`] (`dlq-replay-fixture`): dead letters as RabbitMQ makes them (demo, tests).
+//!
+//! [`plugin`] is the kubectl plugin (`kubectl dlqreplay`, the binary `kubectl-dlqreplay`).
 
 pub mod cli;
+pub mod plugin;
 pub mod report;
 pub mod telemetry;
 

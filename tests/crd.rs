@@ -316,6 +316,8 @@ fn crd_printer_columns() {
         names,
         [
             "Phase",
+            "Plan",
+            "To Replay",
             "Replayed",
             "Duplicates",
             "Quarantined",
@@ -325,7 +327,11 @@ fn crd_printer_columns() {
         ]
     );
     for c in cols {
-        let expected = if c.name == "Message" { Some(1) } else { None };
+        let expected = if matches!(c.name.as_str(), "Message" | "To Replay") {
+            Some(1)
+        } else {
+            None
+        };
         assert_eq!(c.priority, expected, "priority of column {}", c.name);
     }
     let age = cols.iter().find(|c| c.name == "Age").unwrap();

@@ -115,3 +115,34 @@ fn the_deployment_runs_locked_down_with_two_replicas_and_probes() {
     assert!(c["resources"]["limits"]["memory"].is_string());
     assert_eq!(c["args"][0], "operator");
 }
+
+/// The krew manifest installs the binary cargo builds for the plugin, and its description lists
+/// exactly the plugin's verbs.
+#[test]
+fn the_krew_manifest_names_the_plugin_binary_and_its_verbs() {
+    use clap::CommandFactory;
+    let text = std::fs::read_to_string("deploy/krew/dlqreplay.yaml").unwrap();
+    let m: Value = serde_yaml::from_str(&text).unwrap();
+    assert_eq!(m["kind"], "Plugin");
+    assert_eq!(m["metadata"]["name"], "dlqreplay");
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_kubectl-dlqreplay"));
+    let platforms = m["spec"]["platforms"].as_sequence().unwrap();
+    assert!(!platforms.is_empty());
+    for p in platforms {
+        assert_eq!(p["bin"].as_str(), bin.file_name().and_then(|n| n.to_str()));
+    }
+    let description = m["spec"]["description"].as_str().unwrap();
+    let mut listed: Vec<&str> = description
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("kubectl dlqreplay "))
+        .flat_map(|rest| rest.split_whitespace().next().unwrap_or("").split('|'))
+        .collect();
+    let mut verbs: Vec<String> = dlq_replay::plugin::Plugin::command()
+        .get_subcommands()
+        .map(|v| v.get_name().to_string())
+        .filter(|n| n != "help")
+        .collect();
+    listed.sort();
+    verbs.sort();
+    assert_eq!(listed, verbs);
+}

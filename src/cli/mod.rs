@@ -12,7 +12,7 @@ use crate::api::{DlqReplay, Phase, ReplayStatus};
 use crate::engine::{self, store, Options, Replay};
 use crate::{manifest, Error};
 
-mod audit;
+pub(crate) mod audit;
 mod demo;
 mod plan;
 

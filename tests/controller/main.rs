@@ -10,7 +10,7 @@
 //! on both the engine's Redis state of the test's namespace is deleted after the test.
 //!
 //! The scenarios by concern, in modules of their own: [`lifecycle`], [`canary`], [`retries`],
-//! [`approval`], [`leader`], [`binary`] (the operator as a child process); the `fake::`/`e2e::` tests are made
+//! [`approval`], [`plugin`] (`kubectl dlqreplay` under the real kubectl), [`leader`], [`binary`] (the operator as a child process); the `fake::`/`e2e::` tests are made
 //! here, so their names do not change with the module a scenario lives in.
 
 use std::panic::AssertUnwindSafe;
@@ -29,6 +29,7 @@ mod binary;
 mod canary;
 mod leader;
 mod lifecycle;
+mod plugin;
 mod retries;
 
 use approval::*;
@@ -36,6 +37,7 @@ use binary::*;
 use canary::*;
 use leader::*;
 use lifecycle::*;
+use plugin::*;
 use retries::*;
 
 fn resource(w: &World, ns: &str, name: &str, extra: &str) -> DlqReplay {
@@ -233,4 +235,5 @@ scenarios!(
     suspending_during_the_canary_wait_says_so_and_resuming_sends_new_canaries,
     the_lease_is_taken_at_once_after_a_release_and_after_expiry_otherwise,
     a_replay_that_requires_approval_waits_refuses_a_stale_digest_and_runs_on_the_current_one,
+    the_kubectl_plugin_plans_approves_suspends_resumes_retries_audits_and_reports,
 );

@@ -6,7 +6,7 @@ use super::DlqReplay;
 /// Spec fields that are fixed once a replay exists (everything but `suspend`): a replay is
 /// reviewed as a whole, and changing what it replays mid-way would make its audit trail lie.
 const IMMUTABLE_REQUIRED: [&str; 3] = ["broker", "source", "quarantine"];
-const IMMUTABLE_OPTIONAL: [&str; 9] = [
+const IMMUTABLE_OPTIONAL: [&str; 10] = [
     "target",
     "selector",
     "poison",
@@ -15,6 +15,7 @@ const IMMUTABLE_OPTIONAL: [&str; 9] = [
     "rate",
     "canary",
     "expect",
+    "requireApproval",
     "dryRun",
 ];
 
