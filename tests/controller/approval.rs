@@ -108,3 +108,35 @@ pub(crate) async fn a_replay_that_requires_approval_waits_refuses_a_stale_digest
     );
     w.cleanup().await;
 }
+
+/// A manifest that carries the approval from the start (the digest `dlq-replay plan` printed,
+/// reviewed in the pull request) runs at once when the queue still gives that digest.
+pub(crate) async fn an_approval_reviewed_in_the_manifest_runs_when_the_queue_still_matches(
+    c: &Cluster,
+) {
+    let w = World::new("ctl-approved").await;
+    w.dead_letter((0..8).map(|i| job(&format!("m{i}"), json!({}))).collect())
+        .await;
+    // The author's plan, out of the cluster, on the same queue and rules.
+    let report =
+        dlq_replay::engine::plan::plan(&w.replay(&w.manifest("  requireApproval: true\n")))
+            .await
+            .unwrap();
+    secrets(c).await;
+    let (_op, _stop) = operator(c);
+    let api = replays(c);
+    let mut r = resource(&w, c.ns(), "reviewed", "  requireApproval: true\n");
+    r.metadata.annotations = Some(
+        [(
+            dlq_replay::api::APPROVE_ANNOTATION.to_string(),
+            report.digest.clone(),
+        )]
+        .into(),
+    );
+    api.create(&PostParams::default(), &r).await.unwrap();
+    let done = wait_for(&api, "reviewed", "Done", |r| phase(r) == Some(Phase::Done)).await;
+    let s = done.status.unwrap();
+    assert_eq!(s.approved_digest.as_deref(), Some(report.digest.as_str()));
+    assert_eq!(s.counts.replayed, 8, "{s:?}");
+    w.cleanup().await;
+}

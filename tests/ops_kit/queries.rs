@@ -283,6 +283,7 @@ async fn the_alerts_read_only_metrics_the_operator_exports() {
             "DlqReplayDoublePublished",
             "DlqReplayFailed",
             "DlqReplayPendingTooLong",
+            "DlqReplayAwaitingApprovalTooLong",
             "DlqReplayNoLeader"
         ]
     );

@@ -90,7 +90,8 @@ pub struct DlqReplayStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
     /// Standard conditions (`metav1.Condition`), each with the `observedGeneration` it was set
-    /// for: `Ready` (True once Done), `Reconciling` (True in Pending, Canary and Draining) and
+    /// for: `Ready` (True once Done), `Reconciling` (True in Pending, AwaitingApproval, Canary
+    /// and Draining) and
     /// `Stalled` (True in Failed and CanaryFailed), as kstatus (Flux, `kubectl wait`) reads them;
     /// also `Progressing` (True in Canary and Draining) and `Degraded` (True in Failed and
     /// CanaryFailed). A Suspended replay has none True. Their reason is the CamelCase word that

@@ -42,55 +42,55 @@ pub(super) async fn gate(
         }
         _ => {}
     }
-    let plan = status.plan.clone();
-    let fresh_ask = asked
-        .as_ref()
-        .filter(|a| status.approval_refused_for.as_ref() != Some(*a));
-    match (plan, fresh_ask) {
-        (None, _) => match make_plan(ctx, obj, &replay).await? {
+    let fresh_ask = asked.filter(|a| status.approval_refused_for.as_ref() != Some(a));
+    let Some(asked) = fresh_ask else {
+        if status.plan.is_some() {
+            return Ok(Approval::Wait(Action::await_change()));
+        }
+        return match make_plan(ctx, obj, &replay).await? {
             Ok(plan) => waiting(ctx, obj, status, plan, None).await,
             Err(wait) => Ok(wait),
-        },
-        (Some(_), None) => Ok(Approval::Wait(Action::await_change())),
-        (Some(old), Some(asked)) => {
-            let asked = asked.clone();
-            // Planned again: the approval holds only for what the queue holds now.
-            let plan = match make_plan(ctx, obj, &replay).await? {
-                Ok(plan) => plan,
-                Err(wait) => return Ok(wait),
-            };
-            if asked == old.digest && plan.digest == old.digest {
-                let approved = DlqReplayStatus {
-                    replay: ReplayStatus {
-                        phase: Some(Phase::Pending),
-                        message: Some(format!(
-                            "Approved: plan {} ({APPROVE_ANNOTATION}); replaying within it",
-                            plan.digest
-                        )),
-                        ..status.replay.clone()
-                    },
-                    approved_digest: Some(plan.digest.clone()),
-                    plan: Some(plan.clone()),
-                    ..status
-                };
-                let written = write_status_once(ctx, obj, &approved).await?;
-                let note = format!("plan {} approved; the replay starts within it", plan.digest);
-                emit(ctx, obj, false, "Approved", Some(note)).await;
-                return Ok(Approval::Run(bound(replay, &plan), Some(Box::new(written))));
-            }
-            let why = if asked != old.digest {
-                format!("{APPROVE_ANNOTATION}={asked:?} is not the digest of the plan waiting for approval ({})", old.digest)
-            } else {
-                format!("the dead-letter queue changed since plan {asked} was made")
-            };
-            let note = format!(
-                "approval refused: {why}; plan {} waits for approval",
-                plan.digest
-            );
-            emit(ctx, obj, true, "ApprovalRefused", Some(note)).await;
-            waiting(ctx, obj, status, plan, Some(asked)).await
-        }
+        };
+    };
+    // Planned again: an approval holds only for what the queue holds now. A digest the
+    // manifest carried from the start (from `dlq-replay plan`, reviewed in the pull request)
+    // approves as well, when the queue still gives it.
+    let plan = match make_plan(ctx, obj, &replay).await? {
+        Ok(plan) => plan,
+        Err(wait) => return Ok(wait),
+    };
+    if asked == plan.digest {
+        let approved = DlqReplayStatus {
+            replay: ReplayStatus {
+                phase: Some(Phase::Pending),
+                message: Some(format!(
+                    "Approved: plan {} ({APPROVE_ANNOTATION}); replaying within it",
+                    plan.digest
+                )),
+                ..status.replay.clone()
+            },
+            approved_digest: Some(plan.digest.clone()),
+            plan: Some(plan.clone()),
+            ..status
+        };
+        let written = write_status_once(ctx, obj, &approved).await?;
+        let note = format!("plan {} approved; the replay starts within it", plan.digest);
+        emit(ctx, obj, false, "Approved", Some(note)).await;
+        return Ok(Approval::Run(bound(replay, &plan), Some(Box::new(written))));
     }
+    let why = match &status.plan {
+        Some(old) if old.digest != asked => format!(
+            "{APPROVE_ANNOTATION}={asked:?} is not the digest of the plan waiting for approval ({})",
+            old.digest
+        ),
+        _ => format!("the dead-letter queue (or its decisions) changed since plan {asked} was made"),
+    };
+    let note = format!(
+        "approval refused: {why}; plan {} waits for approval",
+        plan.digest
+    );
+    emit(ctx, obj, true, "ApprovalRefused", Some(note)).await;
+    waiting(ctx, obj, status, plan, Some(asked)).await
 }
 
 /// Write the plan waiting for approval (and the refused digest, when one was).
