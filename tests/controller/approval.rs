@@ -140,3 +140,66 @@ pub(crate) async fn an_approval_reviewed_in_the_manifest_runs_when_the_queue_sti
     assert_eq!(s.counts.replayed, 8, "{s:?}");
     w.cleanup().await;
 }
+
+/// `spec.expect` through the operator: the signature not approved stays in the DLQ (listed in
+/// `status.notApproved`), and the maximum stops the replay `Failed` with its reason.
+pub(crate) async fn a_replay_with_limits_replays_only_the_approved_signatures_and_stops_at_the_maximum(
+    c: &Cluster,
+) {
+    let w = World::new("ctl-expect").await;
+    let jobs = (0..12)
+        .map(|i| {
+            let id = format!("x{i:02}");
+            let kind = if i % 3 == 0 {
+                "KeyError"
+            } else {
+                "TimeoutError"
+            };
+            dlq_replay::fixture::job(&id, json!({ "id": id }), kind)
+        })
+        .collect();
+    w.dead_letter(jobs).await;
+    let before = w.peek(&w.topo.dlq).await;
+    secrets(c).await;
+    let (_op, _stop) = operator(c);
+    let api = replays(c);
+    let extra = "  expect:\n    signatures: [x-exception-type=TimeoutError]\n    maxReplayed: 6\n";
+    api.create(
+        &PostParams::default(),
+        &resource(&w, c.ns(), "limits", extra),
+    )
+    .await
+    .unwrap();
+    let failed = wait_for(&api, "limits", "Failed", |r| {
+        phase(r) == Some(Phase::Failed)
+    })
+    .await;
+    let s = failed.status.unwrap();
+    let msg = s.message.clone().unwrap_or_default();
+    assert!(
+        msg.starts_with("ExpectationReached: spec.expect.maxReplayed is 6"),
+        "{msg}"
+    );
+    assert_eq!(s.counts.replayed, 6, "{s:?}");
+    assert!(
+        s.not_approved.contains_key("x-exception-type=KeyError"),
+        "{s:?}"
+    );
+    let replayed: Vec<String> = before
+        .iter()
+        .filter(|m| header(m, "x-exception-type").as_deref() == Some("TimeoutError"))
+        .take(6)
+        .map(|m| m.id.clone())
+        .collect();
+    assert_eq!(ids(&w.take(&w.topo.work).await), replayed);
+    // Everything else is still in the DLQ, byte for byte.
+    let mut left = w.peek(&w.topo.dlq).await;
+    let mut rest: Vec<Seen> = before
+        .into_iter()
+        .filter(|m| !replayed.contains(&m.id))
+        .collect();
+    left.sort_by(|a, b| a.id.cmp(&b.id));
+    rest.sort_by(|a, b| a.id.cmp(&b.id));
+    assert_eq!(left, rest);
+    w.cleanup().await;
+}

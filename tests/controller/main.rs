@@ -237,4 +237,5 @@ scenarios!(
     a_replay_that_requires_approval_waits_refuses_a_stale_digest_and_runs_on_the_current_one,
     the_kubectl_plugin_plans_approves_suspends_resumes_retries_audits_and_reports,
     an_approval_reviewed_in_the_manifest_runs_when_the_queue_still_matches,
+    a_replay_with_limits_replays_only_the_approved_signatures_and_stops_at_the_maximum,
 );
