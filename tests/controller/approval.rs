@@ -53,6 +53,32 @@ pub(crate) async fn a_replay_that_requires_approval_waits_refuses_a_stale_digest
     assert_eq!(w.depth(&w.topo.dlq).await, 20);
     assert_eq!(w.depth(&w.topo.work).await, 0);
 
+    // Suspended and resumed while it waits: it waits again, for the same plan.
+    let suspend = |on: bool| json!({"spec": {"suspend": on}});
+    api.patch(
+        "approve",
+        &PatchParams::default(),
+        &Patch::Merge(&suspend(true)),
+    )
+    .await
+    .unwrap();
+    wait_for(&api, "approve", "Suspended", |r| {
+        phase(r) == Some(Phase::Suspended)
+    })
+    .await;
+    api.patch(
+        "approve",
+        &PatchParams::default(),
+        &Patch::Merge(&suspend(false)),
+    )
+    .await
+    .unwrap();
+    let again = wait_for(&api, "approve", "AwaitingApproval again", |r| {
+        phase(r) == Some(Phase::AwaitingApproval)
+    })
+    .await;
+    assert_eq!(digest(&again), plan.digest);
+
     // A digest that is not the plan's: refused.
     annotate_approve(&api, "approve", "sha256:0000").await;
     let refused = wait_for(&api, "approve", "the refusal recorded", |r| {

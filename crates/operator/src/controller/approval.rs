@@ -44,8 +44,12 @@ pub(super) async fn gate(
     }
     let fresh_ask = asked.filter(|a| status.approval_refused_for.as_ref() != Some(a));
     let Some(asked) = fresh_ask else {
-        if status.plan.is_some() {
-            return Ok(Approval::Wait(Action::await_change()));
+        if let Some(plan) = status.plan.clone() {
+            // Still waiting; after a suspend and a resume the status says so again.
+            if status.phase == Some(Phase::AwaitingApproval) {
+                return Ok(Approval::Wait(Action::await_change()));
+            }
+            return waiting(ctx, obj, status, plan, None).await;
         }
         return match make_plan(ctx, obj, &replay).await? {
             Ok(plan) => waiting(ctx, obj, status, plan, None).await,
