@@ -458,10 +458,11 @@ async fn approved(
     asked: Option<&str>,
 ) -> Result<Result<crate::api::ExpectSpec, String>, Error> {
     let report = crate::engine::plan::plan(replay).await?;
-    let c = report.counts;
     let summary = format!(
-        "plan {} would replay {}, drop {} duplicates, quarantine {}, skip {} of {} messages",
-        report.digest, c.replayed, c.duplicates, c.quarantined, c.skipped, report.depth
+        "plan {} {} of {} messages",
+        report.digest,
+        report.counts.would(),
+        report.depth
     );
     match asked {
         None => return Ok(Err(format!(
@@ -481,10 +482,10 @@ async fn approved(
         expect.max_quarantined = add(expect.max_quarantined, state.counts.quarantined);
     }
     eprintln!("approved: {summary}");
-    Ok(Ok(match &replay.spec.expect {
-        Some(e) => e.narrowed(&expect),
-        None => expect,
-    }))
+    Ok(Ok(crate::engine::plan::bound(
+        replay.spec.expect.as_ref(),
+        expect,
+    )))
 }
 
 /// Run the engine with a progress bar on a terminal, stopping cleanly on Ctrl-C.

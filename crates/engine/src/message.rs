@@ -66,18 +66,23 @@ pub fn header_str<'a>(props: &'a BasicProperties, name: &str) -> Option<Cow<'a, 
     headers(props)?.inner().get(name).and_then(value_str)
 }
 
-/// A text field of the most recent `x-death` entry (the one [`first_death`] reads), borrowed:
+/// A text field of the most recent `x-death` entry (the first of [`deaths`]), borrowed:
 /// `None` when there is no readable entry, "" when the entry lacks the field.
 pub fn first_death_str<'a>(props: &'a BasicProperties, field: &str) -> Option<Cow<'a, str>> {
-    let Some(AMQPValue::FieldArray(entries)) =
-        headers(props).and_then(|h| h.inner().get("x-death"))
-    else {
-        return None;
+    death_tables(props)
+        .next()
+        .map(|t| t.inner().get(field).and_then(value_str).unwrap_or_default())
+}
+
+/// The readable `x-death` entries (tables), most recent first: what every reading of the deaths
+/// walks. Malformed entries are skipped.
+fn death_tables(props: &BasicProperties) -> impl Iterator<Item = &FieldTable> {
+    let entries = match headers(props).and_then(|h| h.inner().get("x-death")) {
+        Some(AMQPValue::FieldArray(entries)) => entries.as_slice(),
+        _ => &[],
     };
-    entries.as_slice().iter().find_map(|e| match e {
-        AMQPValue::FieldTable(t) => {
-            Some(t.inner().get(field).and_then(value_str).unwrap_or_default())
-        }
+    entries.iter().filter_map(|e| match e {
+        AMQPValue::FieldTable(t) => Some(t),
         _ => None,
     })
 }
@@ -100,32 +105,7 @@ pub fn value_int(v: &AMQPValue) -> Option<i128> {
 /// The `x-death` entries, most recent first (as RabbitMQ orders them). Malformed entries are
 /// skipped rather than failing the message: a death we cannot read is a death we do not count.
 pub fn deaths(props: &BasicProperties) -> Vec<Death> {
-    let Some(AMQPValue::FieldArray(entries)) =
-        headers(props).and_then(|h| h.inner().get("x-death"))
-    else {
-        return Vec::new();
-    };
-    entries
-        .as_slice()
-        .iter()
-        .filter_map(|e| match e {
-            AMQPValue::FieldTable(t) => Some(death(t)),
-            _ => None,
-        })
-        .collect()
-}
-
-/// The most recent `x-death` entry (the first readable one), without reading the others.
-pub fn first_death(props: &BasicProperties) -> Option<Death> {
-    let Some(AMQPValue::FieldArray(entries)) =
-        headers(props).and_then(|h| h.inner().get("x-death"))
-    else {
-        return None;
-    };
-    entries.as_slice().iter().find_map(|e| match e {
-        AMQPValue::FieldTable(t) => Some(death(t)),
-        _ => None,
-    })
+    death_tables(props).map(death).collect()
 }
 
 fn death(t: &FieldTable) -> Death {
@@ -243,11 +223,19 @@ mod tests {
     }
 
     #[test]
-    fn the_first_death_is_that_of_deaths() {
+    fn the_first_death_read_in_place_is_that_of_deaths() {
         let p = with_death(AMQPValue::LongLongInt(3));
-        assert_eq!(first_death(&p), deaths(&p).into_iter().next());
+        let first = deaths(&p).into_iter().next().expect("a death");
+        assert_eq!(
+            first_death_str(&p, "queue").as_deref(),
+            Some(first.queue.as_str())
+        );
+        assert_eq!(
+            first_death_str(&p, "reason").as_deref(),
+            Some(first.reason.as_str())
+        );
         let none = BasicProperties::default();
-        assert_eq!(first_death(&none), None);
+        assert_eq!(first_death_str(&none, "queue"), None);
     }
 
     #[test]

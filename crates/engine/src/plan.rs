@@ -77,6 +77,15 @@ pub fn approved(counts: &Counts, by_signature: &BTreeMap<String, Counts>) -> Exp
     }
 }
 
+/// The `spec.expect` a replay runs under once `approved` (an approved plan's, see [`approved`])
+/// binds it: its own `expect` narrowed to the plan, else the plan's.
+pub fn bound(expect: Option<&ExpectSpec>, approved: ExpectSpec) -> ExpectSpec {
+    match expect {
+        Some(e) => e.narrowed(&approved),
+        None => approved,
+    }
+}
+
 impl PlanReport {
     /// The stanza of [`PlanReport::expect`], from the counts.
     fn expectation(&self) -> Option<ExpectSpec> {
@@ -115,10 +124,7 @@ impl PlanReport {
             counts: c,
             started_at: Some(now()),
             finished_at: Some(now()),
-            message: Some(format!(
-                "dry run, nothing changed: would replay {}, drop {} duplicates, quarantine {}, skip {}",
-                c.replayed, c.duplicates, c.quarantined, c.skipped
-            )),
+            message: Some(format!("dry run, nothing changed: {}", c.would())),
             ..Default::default()
         }
     }

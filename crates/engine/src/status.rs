@@ -146,6 +146,15 @@ impl Counts {
         c
     }
 
+    /// What a plan with these counts would do, in words: "would replay R, drop D duplicates,
+    /// quarantine Q, skip S".
+    pub fn would(&self) -> String {
+        format!(
+            "would replay {}, drop {} duplicates, quarantine {}, skip {}",
+            self.replayed, self.duplicates, self.quarantined, self.skipped
+        )
+    }
+
     /// Add `other`, field by field.
     pub fn add(&mut self, other: &Counts) {
         for (name, n) in other.by_field() {

@@ -166,7 +166,6 @@ impl Drain<'_> {
             Err(e) => return (answer, Err((None, e))),
         };
         self.decide(&mut next, &ask, lookups);
-        self.hold_to_expectations(&mut next);
         // The landing step's record (`self.ending`: an unconfirmed publish) ends the pass.
         if answer.is_err() || self.ending {
             return (answer, Ok(Some(unsent(next)).filter(|f| f.len() > 0)));

@@ -127,22 +127,14 @@ impl Drain<'_> {
         self.status.canary = self.canary.status();
         let mut status = self.status.clone();
         let mut summary = summary(&status.counts);
-        if !self.canary.held.is_empty() {
-            let held: u64 = self.canary.held.values().sum();
-            let sigs: Vec<&str> = self.canary.held.keys().map(String::as_str).collect();
-            summary.push_str(&format!(
-                "; {held} held back in the queue because the canary of their signature did not pass ({})",
-                sigs.join(", ")
-            ));
-        }
-        if !status.not_approved.is_empty() {
-            let held: u64 = status.not_approved.values().sum();
-            let sigs: Vec<&str> = status.not_approved.keys().map(String::as_str).collect();
-            summary.push_str(&format!(
-                "; {held} held back in the queue because spec.expect.signatures does not approve their signature ({})",
-                sigs.join(", ")
-            ));
-        }
+        summary.push_str(&held_back(
+            &self.canary.held,
+            "the canary of their signature did not pass",
+        ));
+        summary.push_str(&held_back(
+            &status.not_approved,
+            "spec.expect.signatures does not approve their signature",
+        ));
         let out = self.canary.out_count();
         let (phase, message) = match end {
             // Past selector.limit the pass went on to its bound, skipping: a message that stays
@@ -172,4 +164,17 @@ impl Drain<'_> {
         }
         status
     }
+}
+
+/// "; N held back in the queue because `why` (their signatures)", or "" when none was.
+fn held_back(by_signature: &std::collections::BTreeMap<String, u64>, why: &str) -> String {
+    if by_signature.is_empty() {
+        return String::new();
+    }
+    let held: u64 = by_signature.values().sum();
+    let sigs: Vec<&str> = by_signature.keys().map(String::as_str).collect();
+    format!(
+        "; {held} held back in the queue because {why} ({})",
+        sigs.join(", ")
+    )
 }

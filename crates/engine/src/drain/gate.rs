@@ -74,13 +74,13 @@ impl Drain<'_> {
             )
             .await?;
         self.decide(items, &ask, lookups);
-        self.hold_to_expectations(items);
         Ok(())
     }
 
     /// Each item's act after the lookup: a duplicate, an unknown outcome to quarantine, a
-    /// message settled before, or what classify made of it.
-    pub(super) fn decide(&self, items: &mut [Item], ask: &Ask, lookups: Vec<store::Lookup>) {
+    /// message settled before, or what classify made of it; then `spec.expect`'s maximums on
+    /// what is left to publish ([`Drain::hold_to_expectations`]).
+    pub(super) fn decide(&mut self, items: &mut [Item], ask: &Ask, lookups: Vec<store::Lookup>) {
         let asks = &ask.0;
         let idem = self.replay.spec.idempotency.as_ref();
         let claim = claim(self.replay, &self.claim_value);
@@ -125,5 +125,6 @@ impl Drain<'_> {
                 (Some(_), None) => Act::Failed("claim refused, then the key vanished; left in the queue".into()),
             };
         }
+        self.hold_to_expectations(items);
     }
 }

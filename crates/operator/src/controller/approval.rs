@@ -105,10 +105,13 @@ async fn waiting(
     plan: PlanStatus,
     refused: Option<String>,
 ) -> Result<Approval, Error> {
-    let c = plan.counts;
     let message = format!(
-        "AwaitingApproval: plan {} would replay {}, drop {} duplicates, quarantine {}, skip {} of {} messages; approve it with `kubectl dlqreplay approve {}` (or annotate {APPROVE_ANNOTATION}={})",
-        plan.digest, c.replayed, c.duplicates, c.quarantined, c.skipped, plan.depth, obj.name_any(), plan.digest
+        "AwaitingApproval: plan {} {} of {} messages; approve it with `kubectl dlqreplay approve {}` (or annotate {APPROVE_ANNOTATION}={})",
+        plan.digest,
+        plan.counts.would(),
+        plan.depth,
+        obj.name_any(),
+        plan.digest
     );
     let next = DlqReplayStatus {
         replay: ReplayStatus {
@@ -155,9 +158,6 @@ async fn make_plan(
 /// counts.
 fn bound(mut replay: Replay, plan: &PlanStatus) -> Box<Replay> {
     let approved = engine::plan::approved(&plan.counts, &plan.by_signature);
-    replay.spec.expect = Some(match &replay.spec.expect {
-        Some(e) => e.narrowed(&approved),
-        None => approved,
-    });
+    replay.spec.expect = Some(engine::plan::bound(replay.spec.expect.as_ref(), approved));
     Box::new(replay)
 }
