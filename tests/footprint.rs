@@ -126,7 +126,14 @@ async fn an_audit_sent_to_the_log_is_read_back_from_it(t: Target) {
     let path = write_manifest(&dir, &resource);
     let (code, out, err) = binary(
         &w,
-        &["run", "-f", &path, "--no-progress", "--redis-url", REDIS],
+        &[
+            "run",
+            "-f",
+            &path,
+            "--no-progress",
+            "--redis-url",
+            redis_url(),
+        ],
     )
     .await;
     assert_eq!(code, 0, "{err}");
@@ -157,7 +164,7 @@ async fn an_audit_sent_to_the_log_is_read_back_from_it(t: Target) {
             "-f",
             &path,
             "--redis-url",
-            REDIS,
+            redis_url(),
             "--log",
             log.to_str().unwrap(),
         ],

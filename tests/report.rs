@@ -151,7 +151,7 @@ async fn a_real_replays_report_renders_in_a_real_browser() {
         .arg(&manifest)
         .arg("-o")
         .arg(&page)
-        .args(["--redis-url", REDIS])
+        .args(["--redis-url", redis_url()])
         .output()
         .expect("dlq-replay report");
     assert!(out.status.success(), "{}", output_text(&out));
@@ -172,7 +172,7 @@ async fn a_real_replays_report_renders_in_a_real_browser() {
             "--key",
             key,
             "--redis-url",
-            REDIS,
+            redis_url(),
         ])
         .output()
         .expect("dlq-replay report --format md");
@@ -198,14 +198,14 @@ async fn a_real_replays_report_renders_in_a_real_browser() {
         "-f".as_ref(),
         manifest.as_os_str(),
         "--redis-url".as_ref(),
-        REDIS.as_ref(),
+        redis_url().as_ref(),
     ]);
     assert!(ok, "{text}");
     let (ok, text, by_key) = audit(&[
         "--key".as_ref(),
         key.as_ref(),
         "--redis-url".as_ref(),
-        REDIS.as_ref(),
+        redis_url().as_ref(),
     ]);
     assert!(ok, "{text}");
     assert_eq!(

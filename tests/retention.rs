@@ -11,7 +11,7 @@ use dlq_replay::api::{CanaryResult, DlqReplay, Phase};
 use dlq_replay_testkit::world::*;
 use serde_json::json;
 
-/// `dlq-replay run -f MANIFEST --redis-url REDIS --no-progress ARGS`: exit code, the printed
+/// `dlq-replay run -f MANIFEST --redis-url <the tests' Redis> --no-progress ARGS`: exit code, the printed
 /// resource (when one was printed) and stderr. Awaited, so that the test's worker keeps working
 /// meanwhile.
 async fn run(resource: &DlqReplay, args: &[&str]) -> (i32, Option<DlqReplay>, String) {
@@ -20,7 +20,7 @@ async fn run(resource: &DlqReplay, args: &[&str]) -> (i32, Option<DlqReplay>, St
     std::fs::write(&path, serde_yaml::to_string(resource).unwrap()).unwrap();
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_dlq-replay"))
         .args(["run", "-f", path.to_str().unwrap(), "--no-progress"])
-        .args(["--redis-url", REDIS])
+        .args(["--redis-url", redis_url()])
         .args(args)
         .output()
         .await

@@ -5,7 +5,7 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
-use redis::aio::ConnectionManager;
+use dlq_replay::engine::store::Redis;
 
 use crate::counters::Published;
 use crate::footprint::{info_field, redis_info, Footprint};
@@ -57,7 +57,7 @@ pub(crate) struct RedisDelta {
 
 /// Redis's counters now: CPU seconds and calls per command (INFO's own calls left out).
 pub(crate) async fn redis_counters(
-    con: &mut ConnectionManager,
+    con: &mut Redis,
 ) -> (f64, std::collections::BTreeMap<String, u64>) {
     let cpu_info = redis_info(con, "cpu").await;
     let f = |n: &str| {

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use dlq_replay::engine::store;
-use redis::aio::ConnectionManager;
+use dlq_replay::engine::store::Redis;
 
 use crate::broker::Section;
 use crate::replay::Extras;
@@ -129,8 +129,8 @@ impl ReplayKeys {
     pub(crate) fn new(name: &str, idem: &str, dlq: &str) -> Self {
         ReplayKeys {
             name: name.into(),
-            state: store::Keys::state_of(NAMESPACE, name),
-            audit: store::Keys::audit_of(NAMESPACE, name, ""),
+            state: store::Keys::state_of(store::Layout::Flat, NAMESPACE, name),
+            audit: store::Keys::audit_of(store::Layout::Flat, NAMESPACE, name, ""),
             settled: format!("dlq:settled:{NAMESPACE}/{name}/"),
             idem: idem.into(),
             dlq_suffix: format!("/{dlq}"),
@@ -237,7 +237,7 @@ pub(crate) struct Footprint {
 
 /// Sample the replay's keys until `stop`; the largest figures seen.
 pub(crate) async fn sample_redis(
-    mut con: ConnectionManager,
+    mut con: Redis,
     keys: ReplayKeys,
     mut stop: tokio::sync::oneshot::Receiver<()>,
 ) -> Sampled {
@@ -252,7 +252,7 @@ pub(crate) async fn sample_redis(
 }
 
 /// The replay's keys now, by kind.
-pub(crate) async fn redis_bytes(con: &mut ConnectionManager, k: &ReplayKeys) -> RedisBytes {
+pub(crate) async fn redis_bytes(con: &mut Redis, k: &ReplayKeys) -> RedisBytes {
     // First, so that the replies to this sample's own SCAN are not in it.
     let used_memory = used_memory(&redis_info(con, "memory").await);
     let mut b = RedisBytes {
@@ -313,7 +313,7 @@ pub(crate) async fn redis_bytes(con: &mut ConnectionManager, k: &ReplayKeys) -> 
 }
 
 /// Every key matching `pattern`.
-pub(crate) async fn scan(con: &mut ConnectionManager, pattern: &str) -> Vec<String> {
+pub(crate) async fn scan(con: &mut Redis, pattern: &str) -> Vec<String> {
     let mut out = Vec::new();
     let mut cursor: u64 = 0;
     loop {
@@ -335,7 +335,7 @@ pub(crate) async fn scan(con: &mut ConnectionManager, pattern: &str) -> Vec<Stri
 }
 
 /// `INFO <section>` of Redis (empty if it fails).
-pub(crate) async fn redis_info(con: &mut ConnectionManager, section: &str) -> String {
+pub(crate) async fn redis_info(con: &mut Redis, section: &str) -> String {
     redis::cmd("INFO")
         .arg(section)
         .query_async(con)
@@ -358,7 +358,7 @@ pub(crate) fn used_memory(info: &str) -> f64 {
 
 /// used_memory once Redis has freed what UNLINK left to its background thread (the keys of
 /// the runs before), so that it does not count against the next.
-pub(crate) async fn used_memory_settled(con: &mut ConnectionManager) -> f64 {
+pub(crate) async fn used_memory_settled(con: &mut Redis) -> f64 {
     for _ in 0..100 {
         let info = redis_info(con, "memory").await;
         if info_field(&info, "lazyfree_pending_objects") == Some("0") {

@@ -3,11 +3,11 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use dlq_replay::engine::store::Redis;
 use dlq_replay::engine::{self, store};
 use dlq_replay::fixture::{self, QueueType, Topology};
 use lapin::options::QueueDeleteOptions;
 use lapin::{BasicProperties, Channel};
-use redis::aio::ConnectionManager;
 use serde_json::json;
 
 use crate::broker::{node_pid, Broker, Section};
@@ -22,7 +22,7 @@ pub(crate) struct Bench {
     /// BENCH_BROKERS asks for it and it answers.
     pub(crate) brokers: Vec<Broker>,
     pub(crate) choice: BrokerChoice,
-    pub(crate) redis: ConnectionManager,
+    pub(crate) redis: Redis,
     pub(crate) time_rss: bool,
     /// Extra arguments of `dlq-replay run`, from BENCH_RUN_ARGS (e.g. `--window 128`).
     pub(crate) run_args: Vec<String>,

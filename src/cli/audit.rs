@@ -46,6 +46,7 @@ pub(super) async fn audit(args: AuditArgs) -> Result<ExitCode, Error> {
         (None, AuditSource::Manifest(m)) => {
             let replay = &m.1;
             let con = store::connect(&redis_url).await?;
+            let layout = con.layout();
             let state = store::Store::peek(con, &replay.namespace, &replay.state_name())
                 .await?
                 .ok_or_else(|| {
@@ -54,7 +55,12 @@ pub(super) async fn audit(args: AuditArgs) -> Result<ExitCode, Error> {
                         replay.namespace, replay.name
                     ))
                 })?;
-            store::Keys::audit_of(&replay.namespace, &replay.state_name(), &state.replay_id)
+            store::Keys::audit_of(
+                layout,
+                &replay.namespace,
+                &replay.state_name(),
+                &state.replay_id,
+            )
         }
     };
     let rows = match &args.trail.log {

@@ -134,7 +134,7 @@ pub async fn run(args: DemoArgs) -> Result<ExitCode, Error> {
 async fn fixed_worker(
     ch: lapin::Channel,
     queue: String,
-    mut redis: redis::aio::ConnectionManager,
+    mut redis: crate::engine::store::Redis,
     done: String,
 ) {
     let Ok(mut consumer) = ch
@@ -167,7 +167,7 @@ async fn fixed_worker(
 }
 
 /// Drop the demo's keys (replay state, audit, idempotency) so it can run again from scratch.
-async fn forget(redis: &mut redis::aio::ConnectionManager, pattern: &str) -> Result<(), Error> {
+async fn forget(redis: &mut crate::engine::store::Redis, pattern: &str) -> Result<(), Error> {
     let keys: Vec<String> = redis::cmd("KEYS").arg(pattern).query_async(redis).await?;
     if !keys.is_empty() {
         redis::cmd("DEL")

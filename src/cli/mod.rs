@@ -380,7 +380,7 @@ pub fn resolve(resource: &DlqReplay, endpoints: &Endpoints) -> Result<Replay, Er
             None => "spec.broker: no URL; set spec.broker.url or pass --amqp-url / AMQP_URL".into(),
         })
     })?;
-    manifest::check_url(&amqp_url, &["amqp", "amqps"])
+    manifest::check_url(&amqp_url, &crate::api::AMQP_SCHEMES)
         .map_err(|e| Error::Config(format!("broker URL: {e}")))?;
     let inline = spec
         .idempotency
@@ -398,7 +398,7 @@ pub fn resolve(resource: &DlqReplay, endpoints: &Endpoints) -> Result<Replay, Er
             "no Redis URL for the audit trail: set spec.idempotency.redis.url or spec.audit.redis.url, or pass --redis-url / REDIS_URL".into(),
         )
     })?;
-    manifest::check_url(&redis_url, &["redis", "rediss"])
+    manifest::check_url(&redis_url, &crate::api::REDIS_SCHEMES)
         .map_err(|e| Error::Config(format!("Redis URL: {e}")))?;
     Ok(Replay {
         namespace: resource.namespace_or_default(),

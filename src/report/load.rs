@@ -95,7 +95,9 @@ pub async fn load(
     let state = Store::peek(con.clone(), &meta.namespace, &meta.name).await?;
     let key = match (key, &state) {
         (Some(k), _) => k.to_string(),
-        (None, Some(s)) => store::Keys::audit_of(&meta.namespace, &meta.name, &s.replay_id),
+        (None, Some(s)) => {
+            store::Keys::audit_of(con.layout(), &meta.namespace, &meta.name, &s.replay_id)
+        }
         (None, None) => {
             return Err(Error::Config(format!(
                 "replay {}/{} has never run",

@@ -633,7 +633,7 @@ async fn a_kill_9_during_a_canary_wait_resumes_without_sending_proven_canaries_a
         let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_dlq-replay"));
         cmd.args(["run", "--no-progress", "-o", "json", "-f"])
             .arg(&file)
-            .env("REDIS_URL", REDIS)
+            .env("REDIS_URL", redis_url())
             .env_remove("AMQP_URL")
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())

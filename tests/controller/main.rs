@@ -51,7 +51,7 @@ fn resource(w: &World, ns: &str, name: &str, extra: &str) -> DlqReplay {
 
 async fn secrets(c: &Cluster) {
     c.put_secret(c.ns(), "rabbitmq", &[("url", AMQP)]).await;
-    c.put_secret(c.ns(), "redis", &[("url", REDIS)]).await;
+    c.put_secret(c.ns(), "redis", &[("url", redis_url())]).await;
 }
 
 fn replays(c: &Cluster) -> Api<DlqReplay> {

@@ -187,7 +187,7 @@ async fn run_requires_the_current_plan_digest_with_require_approval() {
         cmd.args(args)
             .arg("-f")
             .arg(&file)
-            .env("REDIS_URL", REDIS)
+            .env("REDIS_URL", redis_url())
             .env_remove("AMQP_URL");
         cmd.output().unwrap()
     };

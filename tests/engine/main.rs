@@ -76,7 +76,9 @@ async fn an_unreachable_broker_or_redis_is_a_clear_error() {
 #[tokio::test]
 async fn the_store_notices_a_key_replayed_twice() {
     let w = World::new("again").await;
-    let con = dlq_replay::engine::store::connect(REDIS).await.unwrap();
+    let con = dlq_replay::engine::store::connect(redis_url())
+        .await
+        .unwrap();
     let audit = dlq_replay::engine::store::AuditConfig::default();
     let (mut store, _) =
         dlq_replay::engine::store::Store::begin(con, "tests", &w.tag, 1, "now", &audit)
@@ -103,10 +105,10 @@ fn the_test_kit_resolves_a_manifest_as_the_command_line_does() {
     let resource = dlq_replay::manifest::parse(text).expect("manifest");
     let endpoints = dlq_replay::cli::Endpoints {
         amqp_url: None,
-        redis_url: Some(REDIS.into()),
+        redis_url: Some(redis_url().into()),
     };
     let cli = dlq_replay::cli::resolve(&resource, &endpoints).expect("cli::resolve");
-    let kit = resolve(&resource, REDIS);
+    let kit = resolve(&resource, redis_url());
     assert_eq!(
         (
             &kit.namespace,

@@ -123,7 +123,7 @@ async fn replay_and_export(log: &str) {
         );
     }
     let audit_key = status["audit"]["key"].as_str().expect("status.audit.key");
-    let state_key = dlq_replay::engine::store::Keys::state_of("tests", &w.tag);
+    let state_key = dlq_replay::engine::store::Keys::state_of(w.redis.layout(), "tests", &w.tag);
     users.assert_absent(
         "the raw audit rows and state in Redis",
         &raw_redis(&w, audit_key, &state_key).await,

@@ -22,7 +22,14 @@ const IMMUTABLE_OPTIONAL: [&str; 10] = [
 /// The URL schemes of the broker.
 pub const AMQP_SCHEMES: [&str; 2] = ["amqp", "amqps"];
 /// The URL schemes of Redis.
-pub const REDIS_SCHEMES: [&str; 2] = ["redis", "rediss"];
+pub const REDIS_SCHEMES: [&str; 6] = [
+    "redis",
+    "rediss",
+    "redis+sentinel",
+    "rediss+sentinel",
+    "redis+cluster",
+    "rediss+cluster",
+];
 
 /// One CEL rule of the CRD (an entry of `x-kubernetes-validations`).
 ///
@@ -74,22 +81,30 @@ impl Rule {
 }
 
 /// The rule a connection's inline `url` must pass, as a CEL expression on `self.url` (true when
-/// `url` is absent), with its message: a URL (Kubernetes' `isURL`) with one of `schemes`, a host,
-/// and a port up to 65535. The message never repeats the URL (it may hold a password).
+/// `url` is absent), with its message. The URL names one endpoint or several, separated by
+/// commas: whole URLs, or hosts (`host:port`, the last one may carry the `/vhost?query` every
+/// host shares) following a URL. Each URL must be a URL (Kubernetes' `isURL`) with one of
+/// `schemes`, a host, and a port up to 65535. The message never repeats the URL (it may hold a
+/// password).
 pub fn url_rule(schemes: &[&str]) -> (String, String) {
     let list = schemes
         .iter()
         .map(|s| format!("'{s}'"))
         .collect::<Vec<_>>()
         .join(", ");
-    let u = "url(self.url)";
+    let u = "url(e)";
+    let one_url = format!(
+        "isURL(e) && {u}.getScheme() in [{list}] && {u}.getHostname() != '' && ({u}.getPort() == '' || int({u}.getPort()) <= 65535)"
+    );
+    let one_host = "e.matches('^[A-Za-z0-9._-]+(:[0-9]{1,5})?([/?].*)?$')";
     let rule = format!(
-        "!has(self.url) || (isURL(self.url) && {u}.getScheme() in [{list}] && {u}.getHostname() != '' && ({u}.getPort() == '' || int({u}.getPort()) <= 65535))"
+        "!has(self.url) || (self.url.split(',')[0].contains('://') && self.url.split(',').all(e, e.contains('://') ? ({one_url}) : {one_host}))"
     );
     let message = format!(
-        "must be a URL with scheme {} and a host (port at most 65535), e.g. {}://user:pass@host:port/...",
+        "must be a URL with scheme {} and a host (port at most 65535), e.g. {}://user:pass@host:port/..., or several separated by commas (a clustered server's endpoints: whole URLs, or hosts after the first URL as in {}://user:pass@host1:port,host2:port/...)",
         schemes.join(" or "),
-        schemes[0]
+        schemes[0],
+        schemes[0],
     );
     (rule, message)
 }
@@ -128,7 +143,7 @@ pub fn rules() -> Vec<Rule> {
         ),
     ];
     for (at, schemes) in [
-        ("spec.broker", &AMQP_SCHEMES),
+        ("spec.broker", &AMQP_SCHEMES[..]),
         ("spec.idempotency.redis", &REDIS_SCHEMES),
         ("spec.audit.redis", &REDIS_SCHEMES),
     ] {

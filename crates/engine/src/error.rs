@@ -51,9 +51,22 @@ pub fn broker_connection_lost(e: &lapin::Error) -> bool {
     }
 }
 
-/// Whether a Redis error means the connection is gone (or Redis stopped answering).
+/// Whether a Redis error means the connection is gone (or Redis stopped answering), or the
+/// server is failing over: read-only (a master that was demoted), its master down, the cluster
+/// moving slots or down for now, loading its data after a restart. Asking again, once the client
+/// found the new master, helps.
 pub fn redis_connection_lost(e: &redis::RedisError) -> bool {
-    e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() || e.is_timeout()
+    use redis::ServerErrorKind as K;
+    e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_timeout()
+        || matches!(
+            e.kind(),
+            redis::ErrorKind::Server(
+                K::ReadOnly | K::MasterDown | K::ClusterDown | K::TryAgain | K::BusyLoading
+            ) | redis::ErrorKind::ClusterConnectionNotFound
+        )
 }
 
 impl From<lapin::Error> for Error {
@@ -112,5 +125,10 @@ mod tests {
         assert!(Error::from(redis::RedisError::from(timeout)).is_transient());
         let wrong = redis::RedisError::from((redis::ErrorKind::Client, "bad command"));
         assert!(!Error::from(wrong).is_transient());
+        let demoted = redis::RedisError::from((
+            redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly),
+            "You can't write against a read only replica.",
+        ));
+        assert!(Error::from(demoted).is_transient());
     }
 }

@@ -30,10 +30,10 @@
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
 
+use crate::store::Redis;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection, PublisherConfirm};
-use redis::aio::ConnectionManager;
 
 use sha2::{Digest, Sha256};
 
@@ -95,19 +95,24 @@ pub fn digest(props: &BasicProperties, body: &[u8]) -> String {
 }
 
 /// The Redis hash that counts, per message digest, the copies that may exist twice in one queue
-/// of one broker.
+/// of one broker. A clustered broker is one broker whichever node a run reaches it through: its
+/// scope is every endpoint's host and port, sorted, and the vhost.
 pub fn ledger_key(amqp_url: &str, queue: &str) -> String {
-    let scope = url::Url::parse(amqp_url)
-        .map(|u| {
-            format!(
-                "{}:{}{}",
+    let mut hosts = Vec::new();
+    let mut vhost = String::new();
+    for u in crate::endpoints::split(amqp_url).unwrap_or_default() {
+        if let Ok(u) = url::Url::parse(&u) {
+            hosts.push(format!(
+                "{}:{}",
                 u.host_str().unwrap_or(""),
-                u.port_or_known_default().unwrap_or(5672),
-                u.path()
-            )
-        })
-        .unwrap_or_default();
-    format!("dlq:moves:{scope}/{queue}")
+                u.port_or_known_default().unwrap_or(5672)
+            ));
+            vhost = u.path().to_string();
+        }
+    }
+    hosts.sort();
+    hosts.dedup();
+    format!("dlq:moves:{}{vhost}/{queue}", hosts.join(","))
 }
 
 /// How long a queue's ledger outlives its last write. Its counts are taken back as the moves
@@ -135,7 +140,7 @@ fn take_back_script() -> &'static redis::Script {
 /// The per-queue record of messages that a crash may have left twice, and one traversal's view
 /// of it.
 pub struct Ledger {
-    con: ConnectionManager,
+    con: Redis,
     key: String,
     /// Digests the ledger counted when this traversal began, and how many extra copies each may
     /// still have.
@@ -146,11 +151,7 @@ pub struct Ledger {
 
 impl Ledger {
     /// Read the ledger of `queue` as a new traversal of it begins.
-    pub async fn open(
-        mut con: ConnectionManager,
-        amqp_url: &str,
-        queue: &str,
-    ) -> Result<Self, Error> {
+    pub async fn open(mut con: Redis, amqp_url: &str, queue: &str) -> Result<Self, Error> {
         let key = ledger_key(amqp_url, queue);
         let all: HashMap<String, i64> = redis::cmd("HGETALL")
             .arg(&key)

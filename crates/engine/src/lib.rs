@@ -8,6 +8,7 @@
 //! A replay flows one way through the stages below: [`run`] opens its context once, then
 //! pre-flight, canary, drain and finish run in order over it.
 
+pub mod endpoints;
 mod error;
 pub mod observe;
 pub mod redact;
@@ -129,23 +130,68 @@ pub fn now() -> String {
     chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
 }
 
-/// The AMQP user of a URL (what `user-id` must equal), `guest` when absent.
+/// The AMQP user of a URL (what `user-id` must equal), `guest` when absent. Every endpoint of a
+/// clustered broker's URL logs in as the same user: the first one's is read.
 pub fn amqp_user(url: &str) -> String {
-    url::Url::parse(url)
+    url::Url::parse(&endpoints::first(url))
         .ok()
         .map(|u| u.username().to_string())
         .filter(|u| !u.is_empty())
         .unwrap_or_else(|| "guest".into())
 }
 
+/// How long one endpoint may take to accept a connection before the next one is tried: a node
+/// that is gone without a reset (a partition, a stopped VM) must not hold the replay for the
+/// kernel's TCP timeout.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Connect to the broker with a connection name that says who we are (so an operator can find,
 /// or close, our connections in `rabbitmqctl list_connections`).
+///
+/// A clustered broker's URL names several endpoints ([`endpoints`]): they are tried in order and
+/// the first that accepts is used, so a replay whose node was lost goes on through another node
+/// at its next pass. A refused login is not worth another endpoint (they share users) and ends
+/// the attempt at once.
 pub async fn connect_amqp(url: &str, name: &str) -> Result<Connection, Error> {
     crate::tls::install_provider();
+    let all = endpoints::split(url).map_err(|e| Error::Config(format!("broker URL: {e}")))?;
+    let mut lost = Vec::new();
+    for (i, endpoint) in all.iter().enumerate() {
+        match connect_one(endpoint, name).await {
+            Ok(conn) => {
+                if i > 0 {
+                    tracing::info!(endpoint = i + 1, of = all.len(), unreachable = %lost.join("; "), "connected to the broker through another endpoint");
+                }
+                return Ok(conn);
+            }
+            Err(Error::Connection(why)) => lost.push(why),
+            Err(e) => return Err(e),
+        }
+    }
+    Err(Error::Connection(lost.join("; ")))
+}
+
+async fn connect_one(url: &str, name: &str) -> Result<Connection, Error> {
     let props = ConnectionProperties::default().with_connection_name(name.into());
-    Connection::connect(url, props).await.map_err(|e| {
+    let host = url::Url::parse(url)
+        .map(|u| {
+            format!(
+                "{}:{}",
+                u.host_str().unwrap_or(""),
+                u.port_or_known_default().unwrap_or(5672)
+            )
+        })
+        .unwrap_or_default();
+    let connecting = Connection::connect(url, props);
+    let Ok(connected) = tokio::time::timeout(CONNECT_TIMEOUT, connecting).await else {
+        return Err(Error::Connection(format!(
+            "broker: cannot connect to {host}: no answer within {}s",
+            CONNECT_TIMEOUT.as_secs()
+        )));
+    };
+    connected.map_err(|e| {
         let why = crate::tls::hint(format!(
-            "cannot connect: {}",
+            "cannot connect to {host}: {}",
             crate::redact::error(&e.to_string(), url)
         ));
         // Refused or reset (a broker restarting) is worth another try; a refused login is not.

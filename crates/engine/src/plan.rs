@@ -285,7 +285,7 @@ fn bump(report: &mut PlanReport, sig: &str, f: impl Fn(&mut Counts)) {
 /// Look the pending keys up (read only): done, or claimed by anyone, means duplicate.
 async fn resolve(
     replay: &Replay,
-    con: Option<&mut redis::aio::ConnectionManager>,
+    con: Option<&mut crate::store::Redis>,
     pending: &mut Vec<(String, String, Option<String>)>,
     report: &mut PlanReport,
     canaries: &mut Canaries,

@@ -38,7 +38,7 @@ pub struct RedisCheck {
 /// Read the replay's Redis and weigh it against a replay of `messages` decisions.
 pub async fn redis_check(
     spec: &DlqReplaySpec,
-    con: &mut redis::aio::ConnectionManager,
+    con: &mut crate::store::Redis,
     messages: u64,
 ) -> Result<RedisCheck, Error> {
     let room = store::Room::read(con).await?;
@@ -61,7 +61,7 @@ pub async fn redis_check(
 /// returned, for status and the report to say.
 pub(super) async fn redis_preflight(
     replay: &Replay,
-    con: &mut redis::aio::ConnectionManager,
+    con: &mut crate::store::Redis,
     depth: u64,
 ) -> Result<Option<String>, Error> {
     let spec = &replay.spec;

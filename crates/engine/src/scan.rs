@@ -8,10 +8,10 @@
 
 use std::collections::{BTreeSet, VecDeque};
 
+use crate::store::Redis;
 use lapin::message::Delivery;
 use lapin::options::BasicAckOptions;
 use lapin::{Channel, Connection};
-use redis::aio::ConnectionManager;
 
 use crate::keep::{self, Ledger, Moved, Mover};
 use crate::source;
@@ -30,7 +30,7 @@ pub struct Scan {
     queue: String,
     mover: Mover,
     ledger: Ledger,
-    redis: ConnectionManager,
+    redis: Redis,
     amqp_url: String,
     depth: u64,
     taken: u64,
@@ -49,7 +49,7 @@ impl Scan {
     pub async fn open(
         conn: &Connection,
         publish: &Connection,
-        redis: ConnectionManager,
+        redis: Redis,
         amqp_url: &str,
         queue: &str,
     ) -> Result<Self, Error> {

@@ -178,7 +178,13 @@ impl Published {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ConnectionSpec {
     /// The URL, e.g. `amqp://user:pass@host:5672/vhost` or `redis://host:6379/0`; `amqps://` and
-    /// `rediss://` use TLS. Prefer `urlSecretRef` for anything but local runs.
+    /// `rediss://` use TLS. A clustered broker: its nodes separated by commas, as whole URLs or as
+    /// hosts (`amqp://user:pass@node1:5672,node2:5672,node3:5672/vhost`); a lost node's replay
+    /// goes on through the next. Redis behind Sentinel:
+    /// `redis+sentinel://sentinel1:26379,sentinel2:26379/<master name>`; a Redis Cluster:
+    /// `redis+cluster://node1:6379,node2:6379`; `?replicas=N` says how many replicas must hold
+    /// a claim or an outcome before the replay relies on it (1 by default with Sentinel or
+    /// Cluster, 0 for one server). Prefer `urlSecretRef` for anything but local runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 2048))]
     pub url: Option<String>,

@@ -14,11 +14,11 @@
 
 use std::collections::BTreeSet;
 
+use crate::store::Redis;
 use lapin::message::Delivery;
 use lapin::options::{BasicGetOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection};
-use redis::aio::ConnectionManager;
 use serde::{Deserialize, Serialize};
 
 use crate::message::{self, REPLAY_ID};
@@ -60,7 +60,7 @@ fn routes_key(amqp_url: &str, queue: &str) -> String {
 
 /// Remember the routes seen on `queue`.
 pub async fn learn(
-    con: &mut ConnectionManager,
+    con: &mut Redis,
     amqp_url: &str,
     queue: &str,
     routes: &BTreeSet<Route>,
@@ -89,11 +89,7 @@ pub async fn learn(
 }
 
 /// The routes known for `queue`.
-pub async fn known(
-    con: &mut ConnectionManager,
-    amqp_url: &str,
-    queue: &str,
-) -> Result<BTreeSet<Route>, Error> {
+pub async fn known(con: &mut Redis, amqp_url: &str, queue: &str) -> Result<BTreeSet<Route>, Error> {
     let members: Vec<String> = redis::cmd("SMEMBERS")
         .arg(routes_key(amqp_url, queue))
         .query_async(con)

@@ -250,7 +250,7 @@ pub async fn drop_finalizers(api: &Api<DlqReplay>) {
 
 impl Cluster {
     async fn forget_redis_state(&self) {
-        let Ok(mut r) = dlq_replay_engine::store::connect(crate::world::REDIS).await else {
+        let Ok(mut r) = dlq_replay_engine::store::connect(crate::world::redis_url()).await else {
             return;
         };
         let keys: Vec<String> = redis::cmd("KEYS")

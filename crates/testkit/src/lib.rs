@@ -7,6 +7,8 @@
 //! - `world` (feature `world`): one test's world on a real broker and Redis ([`world::World`]),
 //!   the broker × queue-type matrix ([`world::Target`], the [`matrix!`] macro).
 //! - `faults` (feature `world`): the fault suite's scenarios (`tests/faults.rs`, `make faults`).
+//! - `ha` (feature `world`): the clustered servers (a three-node RabbitMQ, Redis Sentinel, Redis
+//!   Cluster) the node-loss scenarios and the store's cluster tests run on.
 //! - `fake_api` and `cluster` (feature `fake-api`): the in-process fake Kubernetes API server, and
 //!   where a controller scenario runs (the fake, or a real cluster with `E2E=1`).
 //!
@@ -21,5 +23,7 @@ pub mod cluster;
 pub mod fake_api;
 #[cfg(feature = "world")]
 pub mod faults;
+#[cfg(feature = "world")]
+pub mod ha;
 #[cfg(feature = "world")]
 pub mod world;

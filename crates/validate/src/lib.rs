@@ -280,4 +280,34 @@ spec:
         assert!(e.contains("spec.broker.url"), "{e}");
         assert!(!e.contains("s3cr3t"), "{e}");
     }
+
+    #[test]
+    fn a_clustered_server_is_named_by_its_endpoints() {
+        let amqp = &crate::api::AMQP_SCHEMES;
+        let redis = &crate::api::REDIS_SCHEMES;
+        for good in [
+            "amqp://u:p@a:5681,b:5682,c:5683/%2f",
+            "amqp://u:p@a:5681/%2f,amqps://u:p@b:5671/prod",
+            "amqp://a,b",
+        ] {
+            assert_eq!(check_url(good, amqp), Ok(()), "{good}");
+        }
+        for good in [
+            "redis+sentinel://s1:26379,s2:26379,s3:26379/mymaster",
+            "rediss+cluster://u:p@n1:7000,n2:7001",
+            "redis://h:6379/0",
+        ] {
+            assert_eq!(check_url(good, redis), Ok(()), "{good}");
+        }
+        for bad in [
+            "a:5681,amqp://b:5682/%2f",
+            "amqp://a:5681,b:99999999/%2f",
+            "amqp://a:5681,http://b/",
+            "amqp://a:5681,,b",
+            "amqp://a:5681, b",
+        ] {
+            assert!(check_url(bad, amqp).is_err(), "{bad}");
+        }
+        assert!(check_url("redis+sentinel://s1:26379/m", amqp).is_err());
+    }
 }

@@ -3,8 +3,8 @@
 //! message to the tail (never hands one back), when a canary's wait ends. It costs a pass over
 //! those queues per wait; a known route costs nothing of the kind ([`crate::watch::Returns`]).
 
+use crate::store::Redis;
 use lapin::Connection;
-use redis::aio::ConnectionManager;
 
 use crate::scan::Scan;
 use crate::spec::DlqReplaySpec;
@@ -15,7 +15,7 @@ use crate::Error;
 pub(crate) async fn search(
     conn: &Connection,
     publish: &Connection,
-    redis: ConnectionManager,
+    redis: Redis,
     amqp_url: &str,
     spec: &DlqReplaySpec,
     replay_id: &str,

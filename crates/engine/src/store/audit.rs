@@ -13,7 +13,7 @@ use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use redis::aio::ConnectionManager;
+use super::Redis;
 
 use crate::Error;
 
@@ -308,7 +308,7 @@ pub fn rows_of_log(text: &str, replay_id: Option<&str>) -> Vec<AuditRow> {
 
 /// Read an audit stream, oldest first (`dict`: its dictionary, `HGETALL` of
 /// [`super::Keys::dict`]; empty for rows of earlier versions, which describe themselves).
-pub async fn read_audit(con: &mut ConnectionManager, key: &str) -> Result<Vec<AuditRow>, Error> {
+pub async fn read_audit(con: &mut Redis, key: &str) -> Result<Vec<AuditRow>, Error> {
     let dict: HashMap<String, String> = redis::cmd("HGETALL")
         .arg(super::Keys::dict_of_audit(key))
         .query_async(con)

@@ -198,15 +198,30 @@ impl Store {
             // only after both. A commit retried after a lost answer does not write them again.
             audit::log_rows(rows, &self.names.0, &self.names.1)?;
         }
-        let (invocation, defined) = self.commit_invocation(rows, settled, release, delta);
+        // In a Cluster the claims' keys are in other slots than the replay's: they are ended one
+        // by one beside the script (each end is a compare-and-set, so a retry ends none twice).
+        let (in_script, apart) = if self.con.spans_slots() {
+            (release, &[][..])
+        } else {
+            (&[][..], release)
+        };
+        let (invocation, defined) = self.commit_invocation(rows, settled, in_script, delta);
         let mut retries = Retries::new(self.retry_for, self.stop.clone());
         loop {
-            let e = match eval(&mut self.con, commit_script(), &invocation).await {
+            let attempt = async {
+                let answer = eval(&mut self.con, commit_script(), &invocation).await?;
+                end_claims(&mut self.con, apart).await?;
+                let mut written = vec![self.keys.state.as_str()];
+                written.extend(apart.iter().map(|c| c.key.as_str()));
+                self.con.replicated(&written).await?;
+                Ok::<_, Error>(answer)
+            };
+            let e = match attempt.await {
                 Ok(answer) => {
                     self.encoder.stored(defined);
                     return Ok(commit_answer(answer));
                 }
-                Err(e) => Error::from(e),
+                Err(e) => e,
             };
             let Some(delay) = retries.next(&e) else {
                 return Err(e);
@@ -282,10 +297,55 @@ impl Store {
     }
 }
 
+/// End claims one key at a time (KEYS[1]): set to ARGV[2] (published) or deleted (ARGV[2] empty:
+/// released), only while the key holds this replay's claim ARGV[1].
+const END_CLAIM: &str = r#"
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[2] == '' then return redis.call('DEL', KEYS[1]) end
+redis.call('SET', KEYS[1], ARGV[2], 'KEEPTTL')
+return 1
+"#;
+
+fn end_claim_script() -> &'static redis::Script {
+    static SCRIPT: std::sync::OnceLock<redis::Script> = std::sync::OnceLock::new();
+    SCRIPT.get_or_init(|| redis::Script::new(END_CLAIM))
+}
+
+/// End `claims` each with its own one-key script, all sent together (where the commit script
+/// cannot reach them: a Cluster).
+pub(super) async fn end_claims(con: &mut super::Redis, claims: &[ClaimEnd]) -> Result<(), Error> {
+    if claims.is_empty() {
+        return Ok(());
+    }
+    let mut p = redis::pipe();
+    for c in claims {
+        let confirmed = if c.published {
+            confirmed_claim(&c.value)
+        } else {
+            String::new()
+        };
+        p.cmd("EVALSHA")
+            .arg(end_claim_script().get_hash())
+            .arg(1)
+            .arg(&c.key)
+            .arg(&c.value)
+            .arg(confirmed)
+            .ignore();
+    }
+    match p.query_async::<()>(con).await {
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            end_claim_script().prepare_invoke().load_async(con).await?;
+            p.query_async::<()>(con).await?;
+        }
+        answer => answer?,
+    }
+    Ok(())
+}
+
 /// Run a script by its hash, loading it first when Redis does not hold it (a restarted Redis,
 /// `SCRIPT FLUSH`), as `ScriptInvocation::invoke_async` does, for a command built by hand.
 pub(super) async fn eval<T: redis::FromRedisValue>(
-    con: &mut redis::aio::ConnectionManager,
+    con: &mut super::Redis,
     script: &redis::Script,
     cmd: &redis::Cmd,
 ) -> redis::RedisResult<T> {

@@ -3,7 +3,7 @@
 
 use redis::Value;
 
-use super::{Retries, Store};
+use super::{ClaimEnd, Retries, Store};
 use crate::Error;
 
 /// What the store knows about one key (or message) of a batch.
@@ -18,10 +18,6 @@ pub struct Lookup {
     /// Claim mode: this call claimed the key.
     pub claimed: bool,
 }
-
-/// Compare-and-delete a claim (KEYS[1]) of ours (ARGV[1]) unless its key was published by this
-/// replay (a `key:` mark in the settled hash, KEYS[2]).
-const HAND_BACK: &str = "if redis.call('GET', KEYS[1]) == ARGV[1] and redis.call('HEXISTS', KEYS[2], 'key:' .. KEYS[1]) == 0 then return redis.call('DEL', KEYS[1]) else return 0 end";
 
 impl Store {
     /// Ask about a batch in one round trip. `fields` are, per message, its fingerprint and its
@@ -59,20 +55,32 @@ impl Store {
         }
     }
 
-    /// Delete the claims of `mine` on `keys` that this attempt did not publish.
+    /// Delete the claims of `mine` on `keys` that this attempt did not publish (no `key:` mark
+    /// in the settled hash). The marks are read first, then each claim is ended on its own: a
+    /// script may not touch the workers' keys and the replay's together in a Cluster, and only
+    /// this replay writes its marks, so nothing changes them in between.
     async fn hand_back(&mut self, keys: &[Option<&str>], mine: &str) -> Result<(), Error> {
-        let mut p = redis::pipe();
-        for key in keys.iter().flatten() {
-            p.cmd("EVAL")
-                .arg(HAND_BACK)
-                .arg(2)
-                .arg(key)
-                .arg(&self.keys.settled)
-                .arg(mine)
-                .ignore();
+        let keys: Vec<&str> = keys.iter().flatten().copied().collect();
+        if keys.is_empty() {
+            return Ok(());
         }
-        p.query_async::<()>(&mut self.con).await?;
-        Ok(())
+        let mut hm = redis::cmd("HMGET");
+        hm.arg(&self.keys.settled);
+        for key in &keys {
+            hm.arg(format!("key:{key}"));
+        }
+        let marks: Vec<Option<String>> = hm.query_async(&mut self.con).await?;
+        let unpublished: Vec<ClaimEnd> = keys
+            .iter()
+            .zip(marks)
+            .filter(|(_, mark)| mark.is_none())
+            .map(|(key, _)| ClaimEnd {
+                key: key.to_string(),
+                value: mine.to_string(),
+                published: false,
+            })
+            .collect();
+        super::commit::end_claims(&mut self.con, &unpublished).await
     }
 
     async fn lookup_once(
@@ -102,10 +110,26 @@ impl Store {
                     .arg(ttl);
             }
         }
-        if !asked.is_empty() {
+        // In a Cluster the commands of a pipeline go out one by one, each to its node: the
+        // values are read once the claims are answered, as they are in one pipeline elsewhere.
+        let apart = claim.is_some() && !self.con.spans_slots();
+        if !asked.is_empty() && !apart {
             p.cmd("MGET").arg(&asked);
         }
-        let values: Vec<Value> = p.query_async(&mut self.con).await?;
+        let mut values: Vec<Value> = p.query_async(&mut self.con).await?;
+        if !asked.is_empty() && apart {
+            values.push(
+                redis::cmd("MGET")
+                    .arg(&asked)
+                    .query_async(&mut self.con)
+                    .await?,
+            );
+        }
+        if claim.is_some() {
+            // A claim only the master holds is lost with it in a failover: nothing is published
+            // under it before the replicas hold it too.
+            self.con.replicated(&asked).await?;
+        }
         let mut it = values.into_iter();
         let settled: Vec<Option<String>> =
             redis::from_redis_value(it.next().unwrap_or(Value::Nil))?;

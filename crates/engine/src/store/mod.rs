@@ -10,6 +10,7 @@
 
 mod audit;
 mod commit;
+mod conn;
 mod held;
 mod lookup;
 mod retain;
@@ -19,7 +20,6 @@ mod room;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use redis::aio::ConnectionManager;
 use tokio_util::sync::CancellationToken;
 
 use crate::spec::AuditSink;
@@ -28,6 +28,7 @@ use crate::Error;
 
 pub use audit::{read_audit, rows_of_log, AuditRow, Decision};
 pub use commit::ClaimEnd;
+pub use conn::{connect, slot, Layout, Redis};
 pub use held::{claim_value, confirmed_claim, Held};
 pub use lookup::Lookup;
 pub use retain::{reopen, retain, retention};
@@ -74,13 +75,13 @@ pub struct Keys {
 
 impl Keys {
     /// The state key of a replay named `namespace/name`.
-    pub fn state_of(namespace: &str, name: &str) -> String {
-        format!("dlq:replay:{namespace}/{name}")
+    pub fn state_of(layout: Layout, namespace: &str, name: &str) -> String {
+        format!("dlq:replay:{}", tag(layout, namespace, name))
     }
 
     /// The audit stream key of run `replay_id` of a replay named `namespace/name`.
-    pub fn audit_of(namespace: &str, name: &str, replay_id: &str) -> String {
-        format!("{AUDIT_PREFIX}{namespace}/{name}/{replay_id}")
+    pub fn audit_of(layout: Layout, namespace: &str, name: &str, replay_id: &str) -> String {
+        format!("{AUDIT_PREFIX}{}/{replay_id}", tag(layout, namespace, name))
     }
 
     /// The dictionary of the audit stream `key`.
@@ -88,21 +89,31 @@ impl Keys {
         format!("{key}#dict")
     }
 
-    /// The namespace and name in an audit stream key (the inverse of [`Keys::audit_of`]).
+    /// The namespace and name in an audit stream key (the inverse of [`Keys::audit_of`], in
+    /// either layout).
     pub fn names_of_audit(key: &str) -> Option<(String, String)> {
         let rest = key.strip_prefix(AUDIT_PREFIX)?;
-        let mut parts = rest.splitn(3, '/');
-        let (ns, name, id) = (parts.next()?, parts.next()?, parts.next()?);
+        let (ns, name, id) = match rest.strip_prefix('{') {
+            Some(tagged) => {
+                let (names, id) = tagged.split_once('}')?;
+                let (ns, name) = names.split_once('/')?;
+                (ns, name, id.strip_prefix('/')?)
+            }
+            None => {
+                let mut parts = rest.splitn(3, '/');
+                (parts.next()?, parts.next()?, parts.next()?)
+            }
+        };
         (!ns.is_empty() && !name.is_empty() && !id.is_empty()).then(|| (ns.into(), name.into()))
     }
 
-    fn new(namespace: &str, name: &str, replay_id: &str) -> Self {
-        let audit = Self::audit_of(namespace, name, replay_id);
+    fn new(layout: Layout, namespace: &str, name: &str, replay_id: &str) -> Self {
+        let audit = Self::audit_of(layout, namespace, name, replay_id);
         Self {
-            state: Self::state_of(namespace, name),
+            state: Self::state_of(layout, namespace, name),
             dict: Self::dict_of_audit(&audit),
             audit,
-            settled: format!("dlq:settled:{namespace}/{name}/{replay_id}"),
+            settled: format!("dlq:settled:{}/{replay_id}", tag(layout, namespace, name)),
         }
     }
 
@@ -112,11 +123,20 @@ impl Keys {
     }
 }
 
+/// A replay's `namespace/name` as its keys hold it: in a Cluster as a `{hash tag}`, so that every
+/// key of the replay is in one slot (its commit script touches four of them).
+fn tag(layout: Layout, namespace: &str, name: &str) -> String {
+    match layout {
+        Layout::Flat => format!("{namespace}/{name}"),
+        Layout::Tagged => format!("{{{namespace}/{name}}}"),
+    }
+}
+
 /// A Redis connection for one replay (a clone shares the connection: its calls are pipelined
 /// with the original's, in the order they are made).
 #[derive(Clone)]
 pub struct Store {
-    con: ConnectionManager,
+    con: Redis,
     keys: Keys,
     retry_for: Duration,
     /// Where a wait for Redis is said (the replay's status message), if anywhere.
@@ -140,40 +160,18 @@ pub struct AuditConfig {
     pub key_prefix: String,
 }
 
-/// Connect to Redis; the error never repeats the URL.
-pub async fn connect(url: &str) -> Result<ConnectionManager, Error> {
-    crate::tls::install_provider();
-    let client = redis::Client::open(url)
-        .map_err(|e| Error::Redis(format!("bad Redis URL: {:?}", e.kind())))?;
-    // Longer than a busy Redis takes to answer a batch's MULTI, short enough that a Redis that
-    // stopped answering ends the pass (and the replay reconnects) instead of hanging it.
-    let config = redis::aio::ConnectionManagerConfig::new()
-        .set_response_timeout(Some(std::time::Duration::from_secs(5)))
-        .set_connection_timeout(Some(std::time::Duration::from_secs(5)));
-    client
-        .get_connection_manager_with_config(config)
-        .await
-        .map_err(|e| {
-            if crate::redis_connection_lost(&e) {
-                Error::Connection(crate::tls::hint(format!("redis: cannot connect: {e}")))
-            } else {
-                Error::Redis(crate::tls::hint(e.to_string()))
-            }
-        })
-}
-
 impl Store {
     /// Load the state of `namespace/name`, creating it (with a new replay id) on the first run,
     /// and count this start as one more attempt.
     pub async fn begin(
-        mut con: ConnectionManager,
+        mut con: Redis,
         namespace: &str,
         name: &str,
         depth_now: u64,
         now: &str,
         audit: &AuditConfig,
     ) -> Result<(Self, State), Error> {
-        let state_key = Keys::state_of(namespace, name);
+        let state_key = Keys::state_of(con.layout(), namespace, name);
         let fresh_id = uuid::Uuid::new_v4().simple().to_string();
         let mut p = redis::pipe();
         p.atomic()
@@ -201,7 +199,7 @@ impl Store {
             .arg(&state_key);
         let (map,): (HashMap<String, String>,) = p.query_async(&mut con).await?;
         let mut state = parse_state(&map);
-        let keys = Keys::new(namespace, name, &state.replay_id);
+        let keys = Keys::new(con.layout(), namespace, name, &state.replay_id);
         let (len, dict): (u64, HashMap<String, String>) = redis::pipe()
             .cmd("XLEN")
             .arg(&keys.audit)
@@ -227,13 +225,9 @@ impl Store {
     }
 
     /// Read the stored state without starting an attempt (`None` if the replay never ran).
-    pub async fn peek(
-        mut con: ConnectionManager,
-        namespace: &str,
-        name: &str,
-    ) -> Result<Option<State>, Error> {
+    pub async fn peek(mut con: Redis, namespace: &str, name: &str) -> Result<Option<State>, Error> {
         let map: HashMap<String, String> = redis::cmd("HGETALL")
-            .arg(Keys::state_of(namespace, name))
+            .arg(Keys::state_of(con.layout(), namespace, name))
             .query_async(&mut con)
             .await?;
         Ok((!map.is_empty()).then(|| parse_state(&map)))
@@ -245,7 +239,7 @@ impl Store {
     }
 
     /// A handle on the same Redis.
-    pub fn redis(&self) -> ConnectionManager {
+    pub fn redis(&self) -> Redis {
         self.con.clone()
     }
 

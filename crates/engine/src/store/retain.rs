@@ -3,9 +3,7 @@
 
 use std::time::Duration;
 
-use redis::aio::ConnectionManager;
-
-use super::{connect, Keys};
+use super::{connect, Keys, Redis};
 use crate::Error;
 
 /// Set the expiry of a replay's keys (its state hash, settled hash, audit stream and its
@@ -13,12 +11,12 @@ use crate::Error;
 /// `seconds` from now: `spec.audit.retentionSeconds`. Returns whether the replay has a state
 /// (`false`: it never began, nothing to expire yet).
 pub async fn retain(
-    con: &mut ConnectionManager,
+    con: &mut Redis,
     namespace: &str,
     name: &str,
     seconds: u64,
 ) -> Result<bool, Error> {
-    let state = Keys::state_of(namespace, name);
+    let state = Keys::state_of(con.layout(), namespace, name);
     let id: Option<String> = redis::cmd("HGET")
         .arg(&state)
         .arg("id")
@@ -27,7 +25,7 @@ pub async fn retain(
     let Some(id) = id else {
         return Ok(false);
     };
-    let keys = Keys::new(namespace, name, &id);
+    let keys = Keys::new(con.layout(), namespace, name, &id);
     let mut p = redis::pipe();
     for key in keys.all() {
         p.cmd("EXPIRE").arg(key).arg(seconds).ignore();
@@ -70,7 +68,7 @@ pub fn retention(
 
 async fn retain_while(
     mut progress: tokio::sync::watch::Receiver<crate::status::ReplayStatus>,
-    mut con: ConnectionManager,
+    mut con: Redis,
     namespace: &str,
     name: &str,
     seconds: u64,
@@ -113,13 +111,9 @@ return phase
 /// status is removed with the canary decisions, so the next run sends new canaries and drains
 /// as a rerun would. Returns the phase of the stored final status that was there (`None`: none,
 /// as after `Failed`, which a rerun resumes anyway); any other (`Done`) is left as it is.
-pub async fn reopen(
-    con: &mut ConnectionManager,
-    namespace: &str,
-    name: &str,
-) -> Result<Option<String>, Error> {
+pub async fn reopen(con: &mut Redis, namespace: &str, name: &str) -> Result<Option<String>, Error> {
     let phase: String = redis::Script::new(REOPEN)
-        .key(Keys::state_of(namespace, name))
+        .key(Keys::state_of(con.layout(), namespace, name))
         .invoke_async(con)
         .await?;
     Ok((!phase.is_empty()).then_some(phase))

@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 
-use redis::aio::ConnectionManager;
+use super::Redis;
 
 use crate::Error;
 
@@ -36,13 +36,34 @@ pub struct Room {
 
 impl Room {
     /// Read it from `INFO memory`, which every Redis answers (managed ones that refuse
-    /// `CONFIG` included); `CONFIG GET` only where `INFO` leaves the policy out.
-    pub async fn read(con: &mut ConnectionManager) -> Result<Self, Error> {
-        let info: String = redis::cmd("INFO")
+    /// `CONFIG` included); `CONFIG GET` only where `INFO` leaves the policy out. In a Cluster
+    /// every master answers: the one with the least room speaks for all (the replay's keys and
+    /// the workers' are spread over them).
+    pub async fn read(con: &mut Redis) -> Result<Self, Error> {
+        let info: redis::Value = redis::cmd("INFO")
             .arg("memory")
             .query_async(con)
             .await
             .map_err(|e| Error::Redis(format!("reading INFO memory for the pre-flight: {e}")))?;
+        let mut rooms = Vec::new();
+        for text in info_texts(info)? {
+            rooms.push(Self::of_info(con, &text).await?);
+        }
+        rooms
+            .into_iter()
+            .min_by_key(|r| (!r.policy.starts_with("allkeys-"), r.room_left()))
+            .ok_or_else(|| Error::Redis("INFO memory gave no answer".into()))
+    }
+
+    fn room_left(&self) -> u64 {
+        if self.maxmemory == 0 {
+            u64::MAX
+        } else {
+            self.maxmemory.saturating_sub(self.used)
+        }
+    }
+
+    async fn of_info(con: &mut Redis, info: &str) -> Result<Self, Error> {
         let fields: HashMap<&str, &str> = info
             .lines()
             .filter_map(|l| l.trim_end().split_once(':'))
@@ -100,6 +121,19 @@ impl Room {
             )
         })
     }
+}
+
+/// The `INFO` text of each server that answered: one, or one per master of a Cluster (a map of
+/// node to text).
+fn info_texts(info: redis::Value) -> Result<Vec<String>, Error> {
+    let texts = match info {
+        redis::Value::Map(nodes) => nodes.into_iter().map(|(_, text)| text).collect(),
+        one => vec![one],
+    };
+    texts
+        .into_iter()
+        .map(|t| redis::from_redis_value::<String>(t).map_err(|e| Error::Redis(e.to_string())))
+        .collect()
 }
 
 /// What a replay of `messages` writes at its peak, by the measured [`PEAK_BYTES_SETTLED`] and

@@ -239,7 +239,7 @@ pub async fn nacked(w: &World, mode: &'static str, n: usize, room: usize) -> Tal
     }
     let t = finish_on(
         w,
-        REDIS,
+        redis_url(),
         &full,
         "target queue full (reject-publish)",
         mode,

@@ -23,10 +23,12 @@ use tokio_util::sync::CancellationToken;
 use crate::world::*;
 
 mod broker;
+mod nodes;
 mod redis_faults;
 mod run;
 
 pub use broker::*;
+pub use nodes::*;
 pub use redis_faults::*;
 pub use run::*;
 
@@ -215,7 +217,7 @@ async fn finish(
 ) -> Tally {
     finish_on(
         w,
-        REDIS,
+        redis_url(),
         &w.topo.work.clone(),
         fault,
         mode,

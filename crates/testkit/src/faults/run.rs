@@ -22,7 +22,7 @@ pub(super) fn cli(bin: &Path, file: &Path, redis: &str) -> tokio::process::Comma
 }
 
 pub(super) async fn run_cli_to_end(bin: &Path, file: &Path) -> Result<ReplayStatus, String> {
-    let out = cli(bin, file, REDIS)
+    let out = cli(bin, file, redis_url())
         .output()
         .await
         .map_err(|e| e.to_string())?;
@@ -52,7 +52,9 @@ pub async fn kill_9(
     let file = write_manifest(dir.path(), &resource);
     let mut killed = 0;
     for &point in &at {
-        let mut child = cli(bin, &file, REDIS).spawn().expect("spawn dlq-replay");
+        let mut child = cli(bin, &file, redis_url())
+            .spawn()
+            .expect("spawn dlq-replay");
         let reached = until_depth(w, &w.topo.work, point, Duration::from_secs(120)).await;
         if child.try_wait().ok().flatten().is_none() {
             child.start_kill().expect("kill -9");
@@ -118,7 +120,7 @@ pub(super) async fn start_watched_drain(
         "{}  rate: {{messagesPerSecond: {rate}}}\n",
         w.idempotency(mode)
     ));
-    let replay = w.replay_on(&resource, redis_url.unwrap_or(REDIS));
+    let replay = w.replay_on(&resource, redis_url.unwrap_or(crate::world::redis_url()));
     spawn_watched_engine(replay, Options::default())
 }
 

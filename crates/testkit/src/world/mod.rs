@@ -35,7 +35,20 @@ pub const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 pub const AMQP4: &str = "amqp://guest:guest@127.0.0.1:5673/%2f";
 /// RabbitMQ 4.x's management API unless `RABBITMQ4_MGMT` says otherwise.
 pub const MANAGEMENT4: &str = "http://127.0.0.1:15673";
-pub const REDIS: &str = "redis://127.0.0.1:6379/";
+/// The local Redis.
+pub const LOCAL_REDIS: &str = "redis://127.0.0.1:6379/";
+
+/// The Redis the worlds and their replays use: the local one, or `TEST_REDIS_URL` (the engine,
+/// canary and fault suites run a second time with it set to the Redis Cluster of `.ci/redis-ha`).
+pub fn redis_url() -> &'static str {
+    static URL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    URL.get_or_init(|| {
+        std::env::var("TEST_REDIS_URL")
+            .ok()
+            .filter(|u| !u.is_empty())
+            .unwrap_or_else(|| LOCAL_REDIS.into())
+    })
+}
 
 /// The script that runs (and reaches into) RabbitMQ 4: `.ci/rabbitmq4 ctl ARGS` is its
 /// `rabbitmqctl ARGS`.
@@ -49,7 +62,7 @@ pub struct World {
     pub topo: Topology,
     pub conn: Connection,
     pub ch: Channel,
-    pub redis: redis::aio::ConnectionManager,
+    pub redis: engine::store::Redis,
     pub prefix: String,
 }
 
@@ -82,7 +95,7 @@ impl World {
         topo.declare(&ch)
             .await
             .unwrap_or_else(|e| panic!("topology on {t}: {e}"));
-        let redis = store::connect(REDIS).await.expect("redis");
+        let redis = store::connect(redis_url()).await.expect("redis");
         Self {
             prefix: format!("{tag}:idem:"),
             tag,
@@ -121,7 +134,7 @@ impl World {
 
     /// The replay of `resource`, with its state, claims and audit trail in the local Redis.
     pub fn replay(&self, resource: &DlqReplay) -> Replay {
-        resolve(resource, REDIS)
+        resolve(resource, redis_url())
     }
 
     pub async fn run(&self, resource: &DlqReplay) -> ReplayStatus {
@@ -315,9 +328,9 @@ pub fn resolve(resource: &DlqReplay, redis_url: &str) -> Replay {
         .url
         .clone()
         .expect("resolve: spec.broker.url (a test manifest names its broker)");
-    dlq_replay_validate::check_url(&amqp_url, &["amqp", "amqps"])
+    dlq_replay_validate::check_url(&amqp_url, &dlq_replay_api::AMQP_SCHEMES)
         .unwrap_or_else(|e| panic!("resolve: broker URL: {e}"));
-    dlq_replay_validate::check_url(redis_url, &["redis", "rediss"])
+    dlq_replay_validate::check_url(redis_url, &dlq_replay_api::REDIS_SCHEMES)
         .unwrap_or_else(|e| panic!("resolve: Redis URL: {e}"));
     Replay {
         namespace: resource.namespace_or_default(),

@@ -55,6 +55,21 @@ impl Broker {
         }
     }
 
+    /// Another RabbitMQ (a cluster: `crate::ha`), with what makes its `rabbitmqctl`.
+    pub fn other(
+        name: &'static str,
+        amqp: String,
+        management: Option<String>,
+        ctl: Vec<String>,
+    ) -> Self {
+        Broker {
+            name,
+            amqp,
+            management,
+            ctl,
+        }
+    }
+
     pub fn is_v3_10(&self) -> bool {
         self.name == "3.10"
     }
@@ -92,9 +107,10 @@ impl Broker {
         out
     }
 
-    /// `host:port` of its AMQP URL.
+    /// `host:port` of its AMQP URL (its first endpoint's, for a cluster).
     pub fn address(&self) -> String {
-        let url = url::Url::parse(&self.amqp).expect("broker URL");
+        let first = dlq_replay_engine::endpoints::first(&self.amqp);
+        let url = url::Url::parse(&first).expect("broker URL");
         let port = url
             .port()
             .unwrap_or(if url.scheme() == "amqps" { 5671 } else { 5672 });

@@ -1,0 +1,489 @@
+//! The connection to the replay's Redis, in the three forms users run it: one server, a Sentinel
+//! group (a master that can change), or a Redis Cluster (keys spread over hash slots).
+//!
+//! The URL's scheme picks the form:
+//!
+//! - `redis://[user:pass@]host:6379/0` (`rediss://` with TLS): one server.
+//! - `redis+sentinel://[user:pass@]s1:26379,s2:26379,s3:26379/<master name>[/db]`
+//!   (`rediss+sentinel://`): the master the sentinels name, asked again when it is lost or
+//!   turns read-only (a failover). The user and password are the master's; `sentinel_username`
+//!   and `sentinel_password` in the query are the sentinels' own, if they need any.
+//! - `redis+cluster://[user:pass@]n1:7000,n2:7001,n3:7002` (`rediss+cluster://`): any nodes of
+//!   the cluster; the client learns the rest and follows the slots as they move.
+//!
+//! `?replicas=N` (every form) is how many replicas must hold a write before the replay relies on
+//! it ([`Redis::replicas`]): 1 by default behind Sentinel and in a Cluster, 0 for one server.
+//!
+//! [`Redis`] is a [`redis::aio::ConnectionLike`], so commands and pipelines run on it as on any
+//! redis-rs connection. A Cluster pipeline is sent one command at a time, all at once (redis-rs
+//! sends a pipeline to one node only).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::future::join_all;
+use futures::FutureExt;
+use redis::aio::{ConnectionLike, ConnectionManager, MultiplexedConnection};
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
+use redis::{Cmd, IntoConnectionInfo, Pipeline, RedisError, RedisFuture, RedisResult, Value};
+
+use crate::Error;
+
+/// Longer than a busy Redis takes to answer a batch's script, short enough that a Redis that
+/// stopped answering ends the call (and it is asked again, or the replay reconnects) instead of
+/// hanging it.
+const TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long a `WAIT` for replicas may block before the write is taken as not yet replicated.
+const WAIT_MS: u64 = 2000;
+
+/// A connection to the replay's Redis (a clone shares it).
+#[derive(Clone)]
+pub struct Redis {
+    inner: Inner,
+    replicas: u64,
+    /// Sentinel: which connection to the master (counted from 1) this handle sent its last
+    /// command on, so that a `WAIT` on a newer one (the master changed in between) is not taken
+    /// for the write's.
+    sent_on: u64,
+}
+
+#[derive(Clone)]
+enum Inner {
+    Single(ConnectionManager),
+    Sentinel(Arc<Sentinel>),
+    Cluster(ClusterConnection),
+}
+
+/// How the replay's keys are named: with their replay's name as a `{hash tag}` in a Cluster, so
+/// that the keys one script touches share a slot; without one elsewhere, as they always were.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Layout {
+    /// One server or a Sentinel group: `dlq:replay:ns/name`.
+    #[default]
+    Flat,
+    /// A Redis Cluster: `dlq:replay:{ns/name}`.
+    Tagged,
+}
+
+/// Connect to Redis; the error never repeats the URL's password.
+pub async fn connect(url: &str) -> Result<Redis, Error> {
+    crate::tls::install_provider();
+    let (url, replicas) = take_replicas(url)?;
+    let scheme = url.split("://").next().unwrap_or("");
+    let (inner, default_replicas) = match scheme {
+        "redis+sentinel" | "rediss+sentinel" => (Inner::Sentinel(Sentinel::new(&url).await?), 1),
+        "redis+cluster" | "rediss+cluster" => (Inner::Cluster(cluster(&url).await?), 1),
+        _ => (Inner::Single(single(&url).await?), 0),
+    };
+    Ok(Redis {
+        inner,
+        replicas: replicas.unwrap_or(default_replicas),
+        sent_on: 0,
+    })
+}
+
+impl Redis {
+    /// How many replicas must hold a write (a claim, a batch's outcome) before the replay acts on
+    /// it: a claim only kept by a master that then fails over would be free again on the new
+    /// master, and the key could be published twice.
+    pub fn replicas(&self) -> u64 {
+        self.replicas
+    }
+
+    /// How the replay's keys are named on this Redis.
+    pub fn layout(&self) -> Layout {
+        match self.inner {
+            Inner::Cluster(_) => Layout::Tagged,
+            _ => Layout::Flat,
+        }
+    }
+
+    /// Whether a script may touch keys of different replays or of the workers together (not in
+    /// a Cluster, where a script's keys must share a slot).
+    pub fn spans_slots(&self) -> bool {
+        !matches!(self.inner, Inner::Cluster(_))
+    }
+}
+
+/// The `replicas` query parameter, taken out of the URL (the client libraries do not know it).
+fn take_replicas(url: &str) -> Result<(String, Option<u64>), Error> {
+    let Some((base, query)) = url.split_once('?') else {
+        return Ok((url.to_string(), None));
+    };
+    let mut replicas = None;
+    let mut rest = Vec::new();
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        match pair.split_once('=') {
+            Some(("replicas", n)) => {
+                replicas = Some(n.parse::<u64>().map_err(|_| {
+                    Error::Config(format!(
+                        "Redis URL: replicas={n:?} is not a number of replicas"
+                    ))
+                })?)
+            }
+            _ => rest.push(pair),
+        }
+    }
+    let url = if rest.is_empty() {
+        base.to_string()
+    } else {
+        format!("{base}?{}", rest.join("&"))
+    };
+    Ok((url, replicas))
+}
+
+fn bad_url(e: RedisError) -> Error {
+    Error::Redis(format!("bad Redis URL: {:?}", e.kind()))
+}
+
+fn cannot_connect(e: RedisError) -> Error {
+    if crate::redis_connection_lost(&e) {
+        Error::Connection(crate::tls::hint(format!("redis: cannot connect: {e}")))
+    } else {
+        Error::Redis(crate::tls::hint(e.to_string()))
+    }
+}
+
+async fn single(url: &str) -> Result<ConnectionManager, Error> {
+    if crate::endpoints::hosts(url).is_some() {
+        return Err(Error::Config(
+            "Redis URL: several hosts need redis+sentinel:// (sentinels) or redis+cluster:// (cluster nodes)".into(),
+        ));
+    }
+    let client = redis::Client::open(url).map_err(bad_url)?;
+    let config = redis::aio::ConnectionManagerConfig::new()
+        .set_response_timeout(Some(TIMEOUT))
+        .set_connection_timeout(Some(TIMEOUT));
+    client
+        .get_connection_manager_with_config(config)
+        .await
+        .map_err(cannot_connect)
+}
+
+/// The endpoints of a `+sentinel`/`+cluster` URL as plain `redis://` (or `rediss://`) URLs with
+/// the credentials given, and what follows the hosts.
+fn nodes(url: &str, credentials: Option<&str>) -> Result<(Vec<String>, String), Error> {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    let plain = if scheme.starts_with("rediss") {
+        "rediss"
+    } else {
+        "redis"
+    };
+    let one = format!("{plain}://{rest}");
+    let (head, hosts, tail) =
+        crate::endpoints::parts(&one).ok_or_else(|| Error::Config("Redis URL: no host".into()))?;
+    if hosts.iter().any(|h| h.is_empty()) {
+        return Err(Error::Config("Redis URL: an empty host".into()));
+    }
+    let all = hosts.iter().map(|h| with(head, h, credentials)).collect();
+    Ok((all, tail.to_string()))
+}
+
+/// `head` (`scheme://userinfo@`) and a host as one URL, its userinfo replaced by `credentials`
+/// when given.
+fn with(head: &str, host: &str, credentials: Option<&str>) -> String {
+    let scheme = head.split("://").next().unwrap_or("redis");
+    match credentials {
+        Some(c) if !c.is_empty() => format!("{scheme}://{c}@{host}"),
+        Some(_) => format!("{scheme}://{host}"),
+        None => format!("{head}{host}"),
+    }
+}
+
+async fn cluster(url: &str) -> Result<ClusterConnection, Error> {
+    let (nodes, _) = nodes(url, None)?;
+    let mut infos = Vec::new();
+    for n in &nodes {
+        infos.push(n.as_str().into_connection_info().map_err(bad_url)?);
+    }
+    redis::cluster::ClusterClientBuilder::new(infos)
+        .connection_timeout(TIMEOUT)
+        .response_timeout(TIMEOUT)
+        .build()
+        .map_err(bad_url)?
+        .get_async_connection()
+        .await
+        .map_err(cannot_connect)
+}
+
+/// The master of a Sentinel group: the connection to it, made again (after asking the sentinels)
+/// once it failed with a lost connection or a read-only master.
+pub(crate) struct Sentinel {
+    client: tokio::sync::Mutex<SentinelClient>,
+    /// The connection to the master, and its number.
+    current: Mutex<Option<(u64, MultiplexedConnection)>>,
+    /// How many connections to a master were made.
+    made: AtomicU64,
+}
+
+impl Sentinel {
+    async fn new(url: &str) -> Result<Arc<Self>, Error> {
+        let parsed = url::Url::parse(url).map_err(|e| Error::Config(format!("Redis URL: {e}")))?;
+        let query: std::collections::HashMap<String, String> =
+            parsed.query_pairs().into_owned().collect();
+        let sentinel_auth = match (
+            query.get("sentinel_username"),
+            query.get("sentinel_password"),
+        ) {
+            (None, None) => String::new(),
+            (user, pass) => format!(
+                "{}:{}",
+                user.map(String::as_str).unwrap_or(""),
+                pass.map(String::as_str).unwrap_or("")
+            ),
+        };
+        let (sentinels, tail) = nodes(url, Some(&sentinel_auth))?;
+        let path = tail.split(['?', '#']).next().unwrap_or("");
+        let mut segments = path.trim_start_matches('/').split('/');
+        let master = segments.next().filter(|m| !m.is_empty()).ok_or_else(|| {
+            Error::Config(
+                "Redis URL: redis+sentinel:// needs the master's name as its path (redis+sentinel://s1:26379,s2:26379/mymaster)".into(),
+            )
+        })?;
+        // The master's own credentials and database, as a one-server URL would give them.
+        let db = segments.next().unwrap_or("0");
+        let userinfo = match (parsed.username(), parsed.password()) {
+            ("", None) => String::new(),
+            (u, p) => format!("{u}:{}@", p.unwrap_or("")),
+        };
+        let master_info = format!("redis://{userinfo}localhost/{db}")
+            .as_str()
+            .into_connection_info()
+            .map_err(bad_url)?;
+        let mut node = SentinelNodeConnectionInfo::default()
+            .set_redis_connection_info(master_info.redis_settings().clone());
+        if url.starts_with("rediss") {
+            node = node.set_tls_mode(redis::TlsMode::Secure);
+        }
+        let mut infos = Vec::new();
+        for s in &sentinels {
+            infos.push(s.as_str().into_connection_info().map_err(bad_url)?);
+        }
+        let client = SentinelClient::build(infos, master, Some(node), SentinelServerType::Master)
+            .map_err(bad_url)?;
+        let me = Arc::new(Self {
+            client: tokio::sync::Mutex::new(client),
+            current: Mutex::new(None),
+            made: AtomicU64::new(0),
+        });
+        me.connection().await.map_err(cannot_connect)?;
+        Ok(me)
+    }
+
+    /// The connection to the master, made (the sentinels asked which it is) if there is none.
+    async fn connection(&self) -> RedisResult<(u64, MultiplexedConnection)> {
+        if let Some(c) = self.cached() {
+            return Ok(c);
+        }
+        let mut client = self.client.lock().await;
+        // Another call may have made it while this one waited for the lock.
+        if let Some(c) = self.cached() {
+            return Ok(c);
+        }
+        let config = redis::AsyncConnectionConfig::new()
+            .set_response_timeout(Some(TIMEOUT))
+            .set_connection_timeout(Some(TIMEOUT));
+        let con = client.get_async_connection_with_config(&config).await?;
+        let n = self.made.fetch_add(1, Ordering::Relaxed) + 1;
+        if let Ok(mut current) = self.current.lock() {
+            *current = Some((n, con.clone()));
+        }
+        Ok((n, con))
+    }
+
+    fn cached(&self) -> Option<(u64, MultiplexedConnection)> {
+        self.current.lock().ok().and_then(|c| c.clone())
+    }
+
+    /// After an error: a lost connection or a master that is no more makes the next call ask
+    /// the sentinels again.
+    fn lost(&self, e: &RedisError) {
+        if crate::redis_connection_lost(e) {
+            tracing::warn!(error = %e, "the Redis master is lost; asking the sentinels for the master again");
+            if let Ok(mut current) = self.current.lock() {
+                *current = None;
+            }
+        }
+    }
+}
+
+impl ConnectionLike for Redis {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        let Redis { inner, sent_on, .. } = self;
+        match inner {
+            Inner::Single(c) => c.req_packed_command(cmd),
+            Inner::Cluster(c) => c.req_packed_command(cmd),
+            Inner::Sentinel(s) => {
+                let s = s.clone();
+                async move {
+                    let (n, mut con) = s.connection().await.inspect_err(|e| s.lost(e))?;
+                    *sent_on = n;
+                    con.req_packed_command(cmd).await.inspect_err(|e| s.lost(e))
+                }
+                .boxed()
+            }
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        let Redis { inner, sent_on, .. } = self;
+        match inner {
+            Inner::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Inner::Cluster(c) if !pipeline.is_transaction() => fan_out(c.clone(), pipeline).boxed(),
+            Inner::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+            Inner::Sentinel(s) => {
+                let s = s.clone();
+                async move {
+                    let (n, mut con) = s.connection().await.inspect_err(|e| s.lost(e))?;
+                    *sent_on = n;
+                    con.req_packed_commands(pipeline, offset, count)
+                        .await
+                        .inspect_err(|e| s.lost(e))
+                }
+                .boxed()
+            }
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match &self.inner {
+            Inner::Single(c) => c.get_db(),
+            Inner::Cluster(c) => c.get_db(),
+            Inner::Sentinel(_) => 0,
+        }
+    }
+}
+
+/// A pipeline on a Cluster: each command on its own, all sent at once (each goes to its slot's
+/// node, and those to one node still share its connection). The answers come back in the
+/// pipeline's order.
+async fn fan_out(con: ClusterConnection, pipeline: &Pipeline) -> RedisResult<Vec<Value>> {
+    let sent = pipeline.cmd_iter().map(|c| {
+        let mut con = con.clone();
+        async move { con.req_packed_command(c).await }
+    });
+    join_all(sent).await.into_iter().collect()
+}
+
+impl Redis {
+    /// Wait until [`Redis::replicas`] replicas hold what this connection wrote under `keys`
+    /// (Redis `WAIT`, on each node that holds one of them). Nothing to wait for when no replica is
+    /// asked for. An answer short of it is a lost write, for now: the caller asks again (the
+    /// replica may be catching up, the failover may be under way) within its retry budget.
+    pub async fn replicated(&mut self, keys: &[&str]) -> Result<(), Error> {
+        let want = self.replicas;
+        if want == 0 || keys.is_empty() {
+            return Ok(());
+        }
+        let mut wait = redis::cmd("WAIT");
+        wait.arg(want).arg(WAIT_MS);
+        let got: u64 = match &mut self.inner {
+            Inner::Cluster(c) => {
+                let mut slots: Vec<u16> = keys.iter().map(|k| slot(k)).collect();
+                slots.sort_unstable();
+                slots.dedup();
+                let asked = slots.into_iter().map(|s| {
+                    let mut c = c.clone();
+                    let wait = wait.clone();
+                    async move {
+                        let to =
+                            SingleNodeRoutingInfo::SpecificNode(Route::new(s, SlotAddr::Master));
+                        let n = c.route_command(wait, RoutingInfo::SingleNode(to)).await?;
+                        redis::from_redis_value::<u64>(n).map_err(RedisError::from)
+                    }
+                });
+                let answers: RedisResult<Vec<u64>> = join_all(asked).await.into_iter().collect();
+                answers?.into_iter().min().unwrap_or(want)
+            }
+            _ => {
+                let wrote_on = self.sent_on;
+                let n = wait.query_async(&mut *self).await?;
+                if self.sent_on != wrote_on {
+                    return Err(Error::Connection(
+                        "redis: the master changed between a write and its WAIT; writing again"
+                            .into(),
+                    ));
+                }
+                n
+            }
+        };
+        if got < want {
+            return Err(Error::Connection(format!(
+                "redis: a write reached {got} of the {want} replicas it must reach within {WAIT_MS} ms (replicas= in the Redis URL says how many)"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The Cluster slot of a key: CRC16 (XMODEM) of the key, or of its `{hash tag}` when it has a
+/// non-empty one, modulo 16384 (the Redis Cluster specification).
+pub fn slot(key: &str) -> u16 {
+    let b = key.as_bytes();
+    let hashed = match b.iter().position(|&c| c == b'{') {
+        Some(open) => match b[open + 1..].iter().position(|&c| c == b'}') {
+            Some(len) if len > 0 => &b[open + 1..open + 1 + len],
+            _ => b,
+        },
+        None => b,
+    };
+    crc16::State::<crc16::XMODEM>::calculate(hashed) % 16384
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_replicas_parameter_is_taken_out_of_the_url() {
+        assert_eq!(
+            take_replicas("redis://h:6379/0?replicas=2").unwrap(),
+            ("redis://h:6379/0".to_string(), Some(2))
+        );
+        assert_eq!(
+            take_replicas("redis+sentinel://s:26379/m?sentinel_password=x&replicas=0").unwrap(),
+            (
+                "redis+sentinel://s:26379/m?sentinel_password=x".to_string(),
+                Some(0)
+            )
+        );
+        assert!(take_replicas("redis://h/?replicas=all").is_err());
+    }
+
+    #[test]
+    fn a_cluster_url_names_each_node_with_the_credentials() {
+        let (n, tail) = nodes("redis+cluster://u:p@a:7000,b:7001", None).unwrap();
+        assert_eq!(n, ["redis://u:p@a:7000", "redis://u:p@b:7001"]);
+        assert_eq!(tail, "");
+        let (n, tail) = nodes("rediss+sentinel://u:p@s1:26379,s2/m/2", Some("")).unwrap();
+        assert_eq!(n, ["rediss://s1:26379", "rediss://s2"]);
+        assert_eq!(tail, "/m/2");
+        let (n, _) = nodes("redis+sentinel://s1:26379/m", Some(":pw")).unwrap();
+        assert_eq!(n, ["redis://:pw@s1:26379"]);
+    }
+
+    #[test]
+    fn a_key_slot_follows_the_cluster_specification() {
+        // The specification's example: CRC16 of "123456789" is 0x31C3.
+        assert_eq!(slot("123456789"), 0x31C3);
+        assert_eq!(slot("{user1000}.following"), slot("user1000"));
+        assert_eq!(slot("a{}b"), slot("a{}b"));
+        assert_ne!(slot("{}x"), slot("x"));
+        assert_eq!(slot("dlq:replay:{ns/n}"), slot("dlq:settled:{ns/n}/id"));
+    }
+
+    #[tokio::test]
+    async fn several_hosts_on_a_plain_url_say_which_scheme_they_need() {
+        let e = connect("redis://a:6379,b:6379/").await.err().unwrap();
+        assert!(e.to_string().contains("redis+sentinel://"), "{e}");
+    }
+}

@@ -1,0 +1,202 @@
+//! Faults of clustered servers: a RabbitMQ node lost mid-drain (the one the replay is connected
+//! to, or the one leading the DLQ's quorum queue), the Redis master lost behind Sentinel or in a
+//! Redis Cluster. The servers come from [`crate::ha`]; each row also gives the time from the kill
+//! to the first message replayed after it.
+
+use super::*;
+use crate::ha::{RabbitCluster, RedisHa};
+
+/// Which RabbitMQ node a scenario kills.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodeLoss {
+    /// The node the replay's connections go through (not the DLQ's leader).
+    Connected,
+    /// The node that leads the DLQ's quorum queue (the replay is connected to another).
+    Leader,
+}
+
+/// How long from now until the replay has replayed more than it had plus the in-flight window
+/// (what was published before the kill may still be recorded after it): the first message
+/// published after the kill. `None` if that does not happen within `give_up`.
+async fn next_replayed(
+    mut progress: tokio::sync::watch::Receiver<ReplayStatus>,
+    give_up: Duration,
+) -> Option<Duration> {
+    let start = Instant::now();
+    let past = progress.borrow().counts.replayed + engine::DEFAULT_WINDOW as u64;
+    let wait = async {
+        loop {
+            if progress.borrow_and_update().counts.replayed > past {
+                return start.elapsed();
+            }
+            if progress.changed().await.is_err() {
+                return start.elapsed();
+            }
+        }
+    };
+    tokio::time::timeout(give_up, wait).await.ok()
+}
+
+/// Run a script (a kill, a wait) off the runtime's threads: the replay runs on them meanwhile.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    tokio::task::spawn_blocking(f).await.expect("blocking task")
+}
+
+/// The messages a scenario replays, drained at `rate` through `amqp_url` (and `redis_url`).
+async fn drain_through(
+    w: &World,
+    mode: &'static str,
+    n: usize,
+    rate: u32,
+    amqp_url: &str,
+    redis_url: &str,
+) -> (
+    tokio::task::JoinHandle<Result<ReplayStatus, String>>,
+    tokio::sync::watch::Receiver<ReplayStatus>,
+) {
+    dead_letter_n(w, n).await;
+    let resource = w.manifest(&format!(
+        "{}  rate: {{messagesPerSecond: {rate}}}\n",
+        w.idempotency(mode)
+    ));
+    let mut replay = w.replay_on(&resource, redis_url);
+    replay.amqp_url = amqp_url.to_string();
+    spawn_watched_engine(replay, Options::default())
+}
+
+/// A RabbitMQ node lost (`kill -9`) mid-drain, on the three-node cluster, DLQ and target quorum
+/// queues. The world (`RabbitCluster::target`) reaches the cluster through node 1, so its queues
+/// are led by node 1; the replay lists another node first. The replay must end `Done` on the
+/// nodes that are left; the killed node is started again afterwards.
+pub async fn rabbit_node_lost(
+    w: &mut World,
+    cluster: RabbitCluster,
+    loss: NodeLoss,
+    mode: &'static str,
+    n: usize,
+    rate: u32,
+) -> Tally {
+    let leader = cluster.leader(&w.topo.dlq);
+    // The replay goes through the node after the leader first, then the others.
+    let through = leader % 3 + 1;
+    let order: Vec<usize> = (0..3).map(|i| (through - 1 + i) % 3 + 1).collect();
+    let killed = match loss {
+        NodeLoss::Connected => through,
+        NodeLoss::Leader => leader,
+    };
+    let (task, progress) =
+        drain_through(w, mode, n, rate, &RabbitCluster::url(&order), redis_url()).await;
+    until_depth(w, &w.topo.work, n / 4, Duration::from_secs(120)).await;
+    let next = tokio::spawn(next_replayed(progress, Duration::from_secs(120)));
+    blocking(move || cluster.kill(killed)).await;
+    let mut problems = Vec::new();
+    let status = ended(task, &mut problems).await;
+    let next = next.await.ok().flatten();
+    let leader_after = cluster.leader(&w.topo.dlq);
+    if killed == 1 {
+        // The world's own connection went with node 1.
+        w.reopen().await;
+    }
+    if loss == NodeLoss::Leader && leader_after == killed {
+        problems.push(format!(
+            "node {killed} was killed and still leads {}",
+            w.topo.dlq
+        ));
+    }
+    let fault = match loss {
+        NodeLoss::Connected => "rabbitmq: kill -9 of the replay's node",
+        NodeLoss::Leader => "rabbitmq: kill -9 of the DLQ's leader",
+    };
+    let tally = finish_on(
+        w,
+        redis_url(),
+        &w.topo.work.clone(),
+        fault,
+        mode,
+        n,
+        1,
+        &status,
+        &mut problems,
+        |p, _| {
+            format!(
+                "killed node {killed} (replay through {through}, DLQ led by {leader}, then {leader_after}); next replayed {}; {} OutcomeUnknown",
+                next.map_or("never".to_string(), |d| format!("{:.1}s after the kill", d.as_secs_f64())),
+                p.unknown()
+            )
+        },
+    )
+    .await;
+    cluster.start(killed);
+    tally
+}
+
+/// The Redis master lost (`kill -9`) mid-drain: behind Sentinel (the sentinels promote a
+/// replica), or in a Redis Cluster (the master holding the replay's keys; its replica takes
+/// over). Claims and outcomes are written to a replica before they are relied on (`WAIT`), so
+/// the failover costs no outcome: nothing is quarantined `OutcomeUnknown`, no key is published
+/// twice. The killed node is started again (as a replica) once the failover is done.
+pub async fn redis_master_lost(
+    w: &World,
+    ha: RedisHa,
+    mode: &'static str,
+    n: usize,
+    rate: u32,
+) -> Tally {
+    let url = ha.url();
+    let (task, progress) = drain_through(w, mode, n, rate, w.amqp_url(), &url).await;
+    until_depth(w, &w.topo.work, n / 4, Duration::from_secs(120)).await;
+    let state = store::Keys::state_of(store::Layout::Tagged, "tests", &w.tag);
+    let next = tokio::spawn(next_replayed(progress, Duration::from_secs(120)));
+    let port = blocking(move || ha.kill_master(&state)).await;
+    let failover = blocking(move || ha.wait_failover()).await;
+    blocking(move || ha.restart(port)).await;
+    let mut problems = Vec::new();
+    let status = ended(task, &mut problems).await;
+    let next = next.await.ok().flatten();
+    let fault = match ha {
+        RedisHa::Sentinel => "redis: sentinel failover (kill -9 master)",
+        RedisHa::Cluster => "redis: cluster master kill -9",
+    };
+    let tally = finish_on(
+        w,
+        &url,
+        &w.topo.work.clone(),
+        fault,
+        mode,
+        n,
+        1,
+        &status,
+        &mut problems,
+        |p, problems| {
+            no_unknown_after_redis_came_back(p, problems);
+            format!(
+                "killed :{port}; new master in {:.1}s; next replayed {}; {} OutcomeUnknown",
+                failover.as_secs_f64(),
+                next.map_or("never".to_string(), |d| format!(
+                    "{:.1}s after the kill",
+                    d.as_secs_f64()
+                )),
+                p.unknown()
+            )
+        },
+    )
+    .await;
+    forget(&url, &w.tag).await;
+    tally
+}
+
+/// Delete the keys of the world tagged `tag` from the Redis at `url` (the world's cleanup knows
+/// its own Redis only).
+async fn forget(url: &str, tag: &str) {
+    let Ok(mut r) = store::connect(url).await else {
+        return;
+    };
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("*{tag}*"))
+        .query_async(&mut r)
+        .await
+        .unwrap_or_default();
+    if !keys.is_empty() {
+        let _: Result<(), _> = redis::cmd("DEL").arg(&keys).query_async(&mut r).await;
+    }
+}

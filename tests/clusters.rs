@@ -1,0 +1,76 @@
+//! The clusters users run (`crates/testkit/src/ha.rs`): a node of a three-node RabbitMQ 4 cluster
+//! lost mid-drain, the Redis master lost behind Sentinel and in a Redis Cluster, at CI sizes
+//! (`make faults` runs them at full size). Each row: nothing lost, no key published twice, the
+//! replay `Done`.
+//!
+//! The RabbitMQ scenarios kill nodes of the one cluster, and the Redis ones the one master, so
+//! each group runs its cases one after the other (a lock), beside the other test binaries.
+
+use std::sync::OnceLock;
+
+use dlq_replay_testkit::faults::{self, NodeLoss};
+use dlq_replay_testkit::ha::{RabbitCluster, RedisHa};
+use dlq_replay_testkit::world::*;
+use tokio::sync::Mutex;
+
+/// CI size: messages per scenario, and the replay's rate (the kill lands a quarter in).
+const N: usize = 800;
+const RATE: u32 = 200;
+
+fn rabbit_lock() -> &'static Mutex<()> {
+    static LOCK: OnceLock<Mutex<()>> = OnceLock::new();
+    LOCK.get_or_init(|| Mutex::new(()))
+}
+
+fn redis_lock() -> &'static Mutex<()> {
+    static LOCK: OnceLock<Mutex<()>> = OnceLock::new();
+    LOCK.get_or_init(|| Mutex::new(()))
+}
+
+async fn node_lost(name: &str, loss: NodeLoss) {
+    let Some(cluster) = RabbitCluster::get() else {
+        return;
+    };
+    let _one_at_a_time = rabbit_lock().lock().await;
+    cluster.heal();
+    let mut w = World::on(name, &RabbitCluster::target(&[1, 2, 3])).await;
+    let t = faults::rabbit_node_lost(&mut w, cluster, loss, "Claim", N, RATE).await;
+    t.assert_ok();
+    w.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_whose_node_is_killed_goes_on_through_another_and_ends_done() {
+    node_lost("node-lost", NodeLoss::Connected).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_whose_dlq_leader_is_killed_keeps_every_message_and_ends_done() {
+    node_lost("leader-lost", NodeLoss::Leader).await;
+}
+
+async fn master_lost(name: &str, ha: RedisHa, mode: &'static str) {
+    let Some(ha) = ha.get() else {
+        return;
+    };
+    let _one_at_a_time = redis_lock().lock().await;
+    let w = World::on(name, &Target::classic_3_10()).await;
+    let t = faults::redis_master_lost(&w, ha, mode, N, RATE).await;
+    t.assert_ok();
+    w.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_failover_mid_drain_in_claim_mode_loses_no_claim() {
+    master_lost("sentinel-claim", RedisHa::Sentinel, "Claim").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_failover_mid_drain_in_check_mode_loses_nothing() {
+    master_lost("sentinel-check", RedisHa::Sentinel, "Check").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_cluster_master_killed_mid_drain_loses_no_claim() {
+    master_lost("cluster-claim", RedisHa::Cluster, "Claim").await;
+}
