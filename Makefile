@@ -14,8 +14,20 @@ demo: services
 	./target/release/dlq-replay report -f examples/replay.yaml -o demo-report.html
 	@echo "open $(CURDIR)/demo-report.html"
 
+# Then the engine, canary and fault suites once more with the Redis Cluster of .ci/redis-ha as
+# the store (TEST_REDIS_URL): skipped, and said so, when it is not up, unless REQUIRE_CLUSTERS=1.
+REDIS_CLUSTER_URL ?= redis+cluster://127.0.0.1:7100,127.0.0.1:7101,127.0.0.1:7102
+
 test: services
 	$(CARGO) test --workspace --all-targets -- --test-threads 4
+	@if redis-cli -p 7100 cluster info 2>/dev/null | grep -q cluster_state:ok; then \
+	  echo "--- the engine, canary and fault suites on a Redis Cluster ($(REDIS_CLUSTER_URL))"; \
+	  TEST_REDIS_URL=$(REDIS_CLUSTER_URL) $(CARGO) test --test engine --test canary --test faults -- --test-threads 4; \
+	elif [ "$$REQUIRE_CLUSTERS" = 1 ]; then \
+	  echo "no Redis Cluster on 127.0.0.1:7100 (.ci/redis-ha up) and REQUIRE_CLUSTERS=1" >&2; exit 1; \
+	else \
+	  echo "skipped: the suites on a Redis Cluster (.ci/redis-ha up starts one)"; \
+	fi
 
 # The conformance suite and the controller lifecycles against a real cluster (E2E=1 and KUBECONFIG
 # set; skipped, and said so, otherwise). The controller runs in-process against the local RabbitMQ

@@ -10,14 +10,16 @@
 //! (messages of the kill -9 and connection scenarios, default 20,000), `FAULT_KILLS` (default
 //! 10), `FAULT_ONLY` (comma-separated scenario prefixes: `fk` kill -9, `fc` close_connection,
 //! `fb` broker stop_app, `fp` Redis pause, `fr` Redis kill, `fx` exchange deleted, `fn` nacks,
-//! `fl` poison loop), `FAULT_TARGET` (the broker and queue type: `classic_3_10`, the default,
+//! `fl` poison loop, `fq` a node of the three-node RabbitMQ cluster killed, `fs` a Sentinel
+//! failover, `fh` a Redis Cluster master killed), `FAULT_TARGET` (the broker and queue type: `classic_3_10`, the default,
 //! `quorum_3_10`, `classic_4_x` or `quorum_4_x`; RabbitMQ 4 from `.ci/rabbitmq4`),
 //! `DLQ_REPLAY_BIN` (default: `dlq-replay` next to this example's directory).
 
 use std::path::PathBuf;
 use std::time::Duration;
 
-use dlq_replay_testkit::faults::{self, Tally};
+use dlq_replay_testkit::faults::{self, NodeLoss, Tally};
+use dlq_replay_testkit::ha::{RabbitCluster, RedisHa};
 use dlq_replay_testkit::world::{Target, World};
 
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
@@ -120,6 +122,42 @@ async fn main() -> std::process::ExitCode {
     .await);
     scenario!("fn-claim", |w| faults::nacked(&w, "Claim", 1000, 400).await);
     scenario!("fl", |w| faults::poison_loop(&w, 200).await);
+
+    // The clusters (.ci/rabbitmq4-cluster, .ci/redis-ha; a row is skipped, and said so, when its
+    // cluster is not up): a RabbitMQ node lost, on the three-node cluster with quorum queues; the
+    // Redis master lost behind Sentinel and in a Redis Cluster, on FAULT_TARGET's broker.
+    macro_rules! on_cluster {
+        ($name:expr, $loss:expr) => {
+            if wanted($name) {
+                if let Some(cluster) = RabbitCluster::get() {
+                    cluster.heal();
+                    let mut w = World::on($name, &RabbitCluster::target(&[1, 2, 3])).await;
+                    let started = std::time::Instant::now();
+                    let t =
+                        faults::rabbit_node_lost(&mut w, cluster, $loss, "Claim", n, 2000).await;
+                    println!("{}   [{:.0}s]", t.line(), started.elapsed().as_secs_f64());
+                    rows.push(t);
+                    w.cleanup().await;
+                }
+            }
+        };
+    }
+    on_cluster!("fq-node", NodeLoss::Connected);
+    on_cluster!("fq-leader", NodeLoss::Leader);
+    for (name, ha, mode) in [
+        ("fs-claim", RedisHa::Sentinel, "Claim"),
+        ("fs-check", RedisHa::Sentinel, "Check"),
+        ("fh-claim", RedisHa::Cluster, "Claim"),
+    ] {
+        if let Some(ha) = ha.get().filter(|_| wanted(name)) {
+            let w = World::on(name, &target).await;
+            let started = std::time::Instant::now();
+            let t = faults::redis_master_lost(&w, ha, mode, n / 2, 2000).await;
+            println!("{}   [{:.0}s]", t.line(), started.elapsed().as_secs_f64());
+            rows.push(t);
+            w.cleanup().await;
+        }
+    }
 
     println!("\n{}", Tally::header());
     for t in &rows {

@@ -74,3 +74,61 @@ async fn a_sentinel_failover_mid_drain_in_check_mode_loses_nothing() {
 async fn a_redis_cluster_master_killed_mid_drain_loses_no_claim() {
     master_lost("cluster-claim", RedisHa::Cluster, "Claim").await;
 }
+
+/// A batch's outcome that fewer replicas hold than `?replicas=` asks for is not relied on: the
+/// commit fails (at once here: no retry budget) rather than let its messages be acked on a write
+/// a failover could lose. With as many replicas as there are, it goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outcome_fewer_replicas_hold_than_asked_for_is_not_relied_on() {
+    use dlq_replay::engine::status::Counts;
+    use dlq_replay::engine::store::{self, AuditConfig, AuditRow, Store};
+    for ha in [RedisHa::Sentinel, RedisHa::Cluster] {
+        let Some(ha) = ha.get() else {
+            continue;
+        };
+        // Two replicas behind Sentinel, one per master in the Cluster.
+        let (have, url) = match ha {
+            RedisHa::Sentinel => (2, ha.url()),
+            RedisHa::Cluster => (1, ha.url()),
+        };
+        let name = format!("replicas-{}", uuid::Uuid::new_v4().simple());
+        let row = AuditRow {
+            message: "m1".into(),
+            decision: "replayed".into(),
+            ..Default::default()
+        };
+        for (asked, ok) in [(have + 1, false), (have, true)] {
+            let con = store::connect(&format!("{url}?replicas={asked}"))
+                .await
+                .unwrap();
+            assert_eq!(con.replicas(), asked);
+            let (mut s, _) = Store::begin(con, "tests", &name, 0, "now", &AuditConfig::default())
+                .await
+                .unwrap();
+            let done = s
+                .commit(
+                    std::slice::from_ref(&row),
+                    &[("m1".into(), "replayed".into())],
+                    &[],
+                    &Counts::default(),
+                )
+                .await;
+            match (ok, done) {
+                (true, Ok(_)) => {}
+                (false, Err(e)) => assert!(
+                    e.to_string()
+                        .contains(&format!("reached {have} of the {asked} replicas")),
+                    "{ha:?}: {e}"
+                ),
+                (ok, done) => panic!("{ha:?}, replicas={asked}: expected ok={ok}, got {done:?}"),
+            }
+            let keys = s.keys().clone();
+            let mut r = s.redis();
+            let _: () = redis::cmd("DEL")
+                .arg(keys.all().as_slice())
+                .query_async(&mut r)
+                .await
+                .unwrap();
+        }
+    }
+}

@@ -53,8 +53,10 @@ pub fn broker_connection_lost(e: &lapin::Error) -> bool {
 
 /// Whether a Redis error means the connection is gone (or Redis stopped answering), or the
 /// server is failing over: read-only (a master that was demoted), its master down, the cluster
-/// moving slots or down for now, loading its data after a restart. Asking again, once the client
-/// found the new master, helps.
+/// moving slots or down for now, loading its data after a restart, no sentinel naming a master
+/// that answers as one (mid-failover). Asking again, once the client found the new master, helps.
+/// (A replay whose first connection fails so, a wrong master name, ends at once all the same:
+/// see [`crate::run`].)
 pub fn redis_connection_lost(e: &redis::RedisError) -> bool {
     use redis::ServerErrorKind as K;
     e.is_io_error()
@@ -66,6 +68,7 @@ pub fn redis_connection_lost(e: &redis::RedisError) -> bool {
             redis::ErrorKind::Server(
                 K::ReadOnly | K::MasterDown | K::ClusterDown | K::TryAgain | K::BusyLoading
             ) | redis::ErrorKind::ClusterConnectionNotFound
+                | redis::ErrorKind::MasterNameNotFoundBySentinel
         )
 }
 

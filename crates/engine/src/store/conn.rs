@@ -222,21 +222,29 @@ pub(crate) struct Sentinel {
 
 impl Sentinel {
     async fn new(url: &str) -> Result<Arc<Self>, Error> {
-        let parsed = url::Url::parse(url).map_err(|e| Error::Config(format!("Redis URL: {e}")))?;
+        // The master's credentials are the URL's; the sentinels get none unless the query gives
+        // them theirs.
+        let (with_master_auth, tail) = nodes(url, None)?;
+        let (bare, _) = nodes(url, Some(""))?;
         let query: std::collections::HashMap<String, String> =
-            parsed.query_pairs().into_owned().collect();
-        let sentinel_auth = match (
-            query.get("sentinel_username"),
-            query.get("sentinel_password"),
-        ) {
-            (None, None) => String::new(),
-            (user, pass) => format!(
-                "{}:{}",
-                user.map(String::as_str).unwrap_or(""),
-                pass.map(String::as_str).unwrap_or("")
-            ),
-        };
-        let (sentinels, tail) = nodes(url, Some(&sentinel_auth))?;
+            url::form_urlencoded::parse(tail.split_once('?').map_or("", |(_, q)| q).as_bytes())
+                .into_owned()
+                .collect();
+        let mut sentinels = Vec::new();
+        for s in &bare {
+            let mut u = url::Url::parse(s).map_err(|e| Error::Config(format!("Redis URL: {e}")))?;
+            let (user, pass) = (
+                query.get("sentinel_username"),
+                query.get("sentinel_password"),
+            );
+            if user.is_some() || pass.is_some() {
+                let auth = u
+                    .set_username(user.map_or("", String::as_str))
+                    .and_then(|()| u.set_password(pass.map(String::as_str)));
+                auth.map_err(|()| Error::Config("Redis URL: bad sentinel credentials".into()))?;
+            }
+            sentinels.push(u.to_string());
+        }
         let path = tail.split(['?', '#']).next().unwrap_or("");
         let mut segments = path.trim_start_matches('/').split('/');
         let master = segments.next().filter(|m| !m.is_empty()).ok_or_else(|| {
@@ -245,12 +253,9 @@ impl Sentinel {
             )
         })?;
         // The master's own credentials and database, as a one-server URL would give them.
-        let db = segments.next().unwrap_or("0");
-        let userinfo = match (parsed.username(), parsed.password()) {
-            ("", None) => String::new(),
-            (u, p) => format!("{u}:{}@", p.unwrap_or("")),
-        };
-        let master_info = format!("redis://{userinfo}localhost/{db}")
+        let db = segments.next().filter(|d| !d.is_empty()).unwrap_or("0");
+        let first = with_master_auth.first().map(String::as_str).unwrap_or("");
+        let master_info = format!("{first}/{db}")
             .as_str()
             .into_connection_info()
             .map_err(bad_url)?;

@@ -15,15 +15,16 @@ pub enum NodeLoss {
     Leader,
 }
 
-/// How long from now until the replay has replayed more than it had plus the in-flight window
-/// (what was published before the kill may still be recorded after it): the first message
-/// published after the kill. `None` if that does not happen within `give_up`.
+/// How long from now (call it once the killed node is gone) until the replay has replayed more
+/// than it had plus the in-flight window (what was published before the kill may still be
+/// recorded after it): the first message published after the kill. `None` if that does not
+/// happen within `give_up`.
 async fn next_replayed(
     mut progress: tokio::sync::watch::Receiver<ReplayStatus>,
     give_up: Duration,
 ) -> Option<Duration> {
     let start = Instant::now();
-    let past = progress.borrow().counts.replayed + engine::DEFAULT_WINDOW as u64;
+    let past = progress.borrow_and_update().counts.replayed + engine::DEFAULT_WINDOW as u64;
     let wait = async {
         loop {
             if progress.borrow_and_update().counts.replayed > past {
@@ -87,8 +88,8 @@ pub async fn rabbit_node_lost(
     let (task, progress) =
         drain_through(w, mode, n, rate, &RabbitCluster::url(&order), redis_url()).await;
     until_depth(w, &w.topo.work, n / 4, Duration::from_secs(120)).await;
-    let next = tokio::spawn(next_replayed(progress, Duration::from_secs(120)));
     blocking(move || cluster.kill(killed)).await;
+    let next = tokio::spawn(next_replayed(progress, Duration::from_secs(120)));
     let mut problems = Vec::new();
     let status = ended(task, &mut problems).await;
     let next = next.await.ok().flatten();
@@ -146,8 +147,8 @@ pub async fn redis_master_lost(
     let (task, progress) = drain_through(w, mode, n, rate, w.amqp_url(), &url).await;
     until_depth(w, &w.topo.work, n / 4, Duration::from_secs(120)).await;
     let state = store::Keys::state_of(store::Layout::Tagged, "tests", &w.tag);
-    let next = tokio::spawn(next_replayed(progress, Duration::from_secs(120)));
     let port = blocking(move || ha.kill_master(&state)).await;
+    let next = tokio::spawn(next_replayed(progress, Duration::from_secs(120)));
     let failover = blocking(move || ha.wait_failover()).await;
     blocking(move || ha.restart(port)).await;
     let mut problems = Vec::new();
