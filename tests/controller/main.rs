@@ -10,7 +10,7 @@
 //! on both the engine's Redis state of the test's namespace is deleted after the test.
 //!
 //! The scenarios by concern, in modules of their own: [`lifecycle`], [`canary`], [`retries`],
-//! [`approval`], [`plugin`] (`kubectl dlqreplay` under the real kubectl), [`leader`], [`binary`] (the operator as a child process); the `fake::`/`e2e::` tests are made
+//! [`approval`], [`clustered`] (clustered RabbitMQ and Redis), [`plugin`] (`kubectl dlqreplay` under the real kubectl), [`leader`], [`binary`] (the operator as a child process); the `fake::`/`e2e::` tests are made
 //! here, so their names do not change with the module a scenario lives in.
 
 use std::panic::AssertUnwindSafe;
@@ -27,6 +27,7 @@ use serde_json::{json, Value};
 mod approval;
 mod binary;
 mod canary;
+mod clustered;
 mod leader;
 mod lifecycle;
 mod plugin;
@@ -35,6 +36,7 @@ mod retries;
 use approval::*;
 use binary::*;
 use canary::*;
+use clustered::*;
 use leader::*;
 use lifecycle::*;
 use plugin::*;
@@ -219,6 +221,7 @@ macro_rules! scenarios {
 
 scenarios!(
     apply_runs_the_replay_to_done_with_correct_counts_and_events,
+    a_replay_through_clustered_servers_named_in_its_secrets_runs_to_done,
     a_missing_secret_keeps_it_pending_until_the_secret_exists,
     an_evicting_redis_keeps_it_pending_until_its_policy_changes,
     a_second_replay_of_the_same_queue_waits_source_busy,

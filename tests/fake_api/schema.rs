@@ -70,6 +70,16 @@ pub(crate) async fn bad_specs_are_refused_naming_the_field(env: &Env) {
             "spec.broker.url",
         ),
         (
+            "cluster-url-bad-port",
+            json!({"broker": {"url": "amqp://guest:s3cr3t-pw@127.0.0.1:5681,127.0.0.1:99999/%2f"}}),
+            "spec.broker.url",
+        ),
+        (
+            "sentinel-url-for-broker",
+            json!({"broker": {"url": "redis+sentinel://127.0.0.1:26390/m"}}),
+            "spec.broker.url",
+        ),
+        (
             "burst-zero",
             json!({"rate": {"messagesPerSecond": 10, "burst": 0}}),
             "spec.rate.burst",

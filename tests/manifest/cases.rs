@@ -328,6 +328,22 @@ pub(crate) fn cases() -> Vec<Case> {
             "spec.idempotency.redis.url:",
         ),
         case(
+            "broker.url, a cluster's second endpoint not a host",
+            with(
+                "url: amqp://guest:guest@127.0.0.1:5672/%2f",
+                "url: \"amqp://guest:guest@127.0.0.1:5681,not a host/%2f\"",
+            ),
+            "spec.broker.url:",
+        ),
+        case(
+            "idempotency.redis.url, a cluster URL with a bad port",
+            with(
+                "url: redis://127.0.0.1:6379/0",
+                "url: redis+cluster://127.0.0.1:7100,127.0.0.1:99999",
+            ),
+            "spec.idempotency.redis.url:",
+        ),
+        case(
             "idempotency.redis.url with scheme http://",
             with("url: redis://127.0.0.1:6379/0", "url: http://127.0.0.1:6379/0"),
             "spec.idempotency.redis.url:",

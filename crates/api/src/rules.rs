@@ -96,7 +96,8 @@ pub fn url_rule(schemes: &[&str]) -> (String, String) {
     let one_url = format!(
         "isURL(e) && {u}.getScheme() in [{list}] && {u}.getHostname() != '' && ({u}.getPort() == '' || int({u}.getPort()) <= 65535)"
     );
-    let one_host = "e.matches('^[A-Za-z0-9._-]+(:[0-9]{1,5})?([/?].*)?$')";
+    // A host after the first URL: a name or IPv4 address, and a port up to 65535.
+    let one_host = "e.matches('^[A-Za-z0-9._-]+(:([0-9]{1,4}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5]))?([/?].*)?$')";
     let rule = format!(
         "!has(self.url) || (self.url.split(',')[0].contains('://') && self.url.split(',').all(e, e.contains('://') ? ({one_url}) : {one_host}))"
     );
