@@ -4,7 +4,8 @@
 //! replay `Done`.
 //!
 //! The RabbitMQ scenarios kill nodes of the one cluster, and the Redis ones the one master, so
-//! each group runs its cases one after the other (a lock), beside the other test binaries.
+//! each group runs its cases one after the other (a lock, taken before the servers are looked
+//! for: a case finds them whole, each restarts what it killed), beside the other test binaries.
 
 use std::sync::OnceLock;
 
@@ -28,11 +29,10 @@ fn redis_lock() -> &'static Mutex<()> {
 }
 
 async fn node_lost(name: &str, loss: NodeLoss) {
+    let _one_at_a_time = rabbit_lock().lock().await;
     let Some(cluster) = RabbitCluster::get() else {
         return;
     };
-    let _one_at_a_time = rabbit_lock().lock().await;
-    cluster.heal();
     let mut w = World::on(name, &RabbitCluster::target(&[1, 2, 3])).await;
     let t = faults::rabbit_node_lost(&mut w, cluster, loss, "Claim", N, RATE).await;
     t.assert_ok();
@@ -50,10 +50,10 @@ async fn a_replay_whose_dlq_leader_is_killed_keeps_every_message_and_ends_done()
 }
 
 async fn master_lost(name: &str, ha: RedisHa, mode: &'static str) {
+    let _one_at_a_time = redis_lock().lock().await;
     let Some(ha) = ha.get() else {
         return;
     };
-    let _one_at_a_time = redis_lock().lock().await;
     let w = World::on(name, &Target::classic_3_10()).await;
     let t = faults::redis_master_lost(&w, ha, mode, N, RATE).await;
     t.assert_ok();
@@ -82,6 +82,7 @@ async fn a_redis_cluster_master_killed_mid_drain_loses_no_claim() {
 async fn an_outcome_fewer_replicas_hold_than_asked_for_is_not_relied_on() {
     use dlq_replay::engine::status::Counts;
     use dlq_replay::engine::store::{self, AuditConfig, AuditRow, Store};
+    let _one_at_a_time = redis_lock().lock().await;
     for ha in [RedisHa::Sentinel, RedisHa::Cluster] {
         let Some(ha) = ha.get() else {
             continue;

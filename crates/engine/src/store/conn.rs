@@ -15,8 +15,8 @@
 //! it ([`Redis::replicas`]): 1 by default behind Sentinel and in a Cluster, 0 for one server.
 //!
 //! [`Redis`] is a [`redis::aio::ConnectionLike`], so commands and pipelines run on it as on any
-//! redis-rs connection. A Cluster pipeline is sent one command at a time, all at once (redis-rs
-//! sends a pipeline to one node only).
+//! redis-rs connection. A Cluster pipeline whose keys span slots is sent one command at a time,
+//! all at once (redis-rs sends a pipeline to one node only).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -343,7 +343,9 @@ impl ConnectionLike for Redis {
         let Redis { inner, sent_on, .. } = self;
         match inner {
             Inner::Single(c) => c.req_packed_commands(pipeline, offset, count),
-            Inner::Cluster(c) if !pipeline.is_transaction() => fan_out(c.clone(), pipeline).boxed(),
+            Inner::Cluster(c) if !pipeline.is_transaction() => {
+                cluster_pipeline(c.clone(), pipeline, offset, count).boxed()
+            }
             Inner::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
             Inner::Sentinel(s) => {
                 let s = s.clone();
@@ -368,15 +370,62 @@ impl ConnectionLike for Redis {
     }
 }
 
-/// A pipeline on a Cluster: each command on its own, all sent at once (each goes to its slot's
-/// node, and those to one node still share its connection). The answers come back in the
-/// pipeline's order.
-async fn fan_out(con: ClusterConnection, pipeline: &Pipeline) -> RedisResult<Vec<Value>> {
+/// A pipeline on a Cluster. One whose keys are all in one slot goes to that slot's node as it is,
+/// its commands in order (a hash and its expiry, the replay's own tagged keys). Any other is sent
+/// one command at a time, all at once, each to its slot's node (redis-rs would send the whole
+/// pipeline to the first command's node, where the others' keys are refused): the answers come
+/// back in the pipeline's order, but commands on different nodes run in no set order, so such a
+/// pipeline must not hold two commands that depend on each other's order.
+async fn cluster_pipeline(
+    mut con: ClusterConnection,
+    pipeline: &Pipeline,
+    offset: usize,
+    count: usize,
+) -> RedisResult<Vec<Value>> {
+    let mut slots = pipeline.cmd_iter().flat_map(slots_of);
+    let one_slot = match slots.next() {
+        Some(first) => slots.all(|s| s == first),
+        None => true,
+    };
+    if one_slot {
+        return con.req_packed_commands(pipeline, offset, count).await;
+    }
     let sent = pipeline.cmd_iter().map(|c| {
         let mut con = con.clone();
         async move { con.req_packed_command(c).await }
     });
     join_all(sent).await.into_iter().collect()
+}
+
+/// The slots of a command's keys: the keys after the key count of a script call, every argument
+/// of a multi-key command, else the first argument (none for a command without arguments).
+fn slots_of(cmd: &Cmd) -> Vec<u16> {
+    let args: Vec<&[u8]> = cmd
+        .args_iter()
+        .filter_map(|a| match a {
+            redis::Arg::Simple(b) => Some(b),
+            _ => None,
+        })
+        .collect();
+    let Some(name) = args.first() else {
+        return Vec::new();
+    };
+    let name = String::from_utf8_lossy(name).to_ascii_uppercase();
+    let keys: &[&[u8]] = match name.as_str() {
+        "EVAL" | "EVALSHA" => {
+            let n = args
+                .get(2)
+                .and_then(|n| std::str::from_utf8(n).ok()?.parse::<usize>().ok())
+                .unwrap_or(0);
+            args.get(3..3 + n).unwrap_or(&[])
+        }
+        "MGET" | "DEL" | "EXISTS" | "UNLINK" | "TOUCH" => &args[1..],
+        "WAIT" | "INFO" | "PING" | "SCRIPT" | "CONFIG" => &[],
+        _ => args.get(1..2).unwrap_or(&[]),
+    };
+    keys.iter()
+        .map(|k| slot(&String::from_utf8_lossy(k)))
+        .collect()
 }
 
 impl Redis {
@@ -484,6 +533,26 @@ mod tests {
         assert_eq!(slot("a{}b"), slot("a{}b"));
         assert_ne!(slot("{}x"), slot("x"));
         assert_eq!(slot("dlq:replay:{ns/n}"), slot("dlq:settled:{ns/n}/id"));
+    }
+
+    #[test]
+    fn a_pipeline_is_kept_whole_only_when_its_keys_share_a_slot() {
+        let mut eval = redis::cmd("EVALSHA");
+        eval.arg("sha")
+            .arg(2)
+            .arg("{a}1")
+            .arg("{a}2")
+            .arg("not a key");
+        assert_eq!(slots_of(&eval), vec![slot("a"), slot("a")]);
+        let mut mget = redis::cmd("MGET");
+        mget.arg("x").arg("y");
+        assert_eq!(slots_of(&mget), vec![slot("x"), slot("y")]);
+        let mut hset = redis::cmd("HSET");
+        hset.arg("h").arg("f").arg("v");
+        assert_eq!(slots_of(&hset), vec![slot("h")]);
+        let mut wait = redis::cmd("WAIT");
+        wait.arg(1).arg(100);
+        assert!(slots_of(&wait).is_empty());
     }
 
     #[tokio::test]

@@ -89,6 +89,8 @@ pub async fn rabbit_node_lost(
         drain_through(w, mode, n, rate, &RabbitCluster::url(&order), redis_url()).await;
     until_depth(w, &w.topo.work, n / 4, Duration::from_secs(120)).await;
     blocking(move || cluster.kill(killed)).await;
+    // Started again however the scenario ends (a failed assertion included), for the next one.
+    let _revive = Revive(move || cluster.start(killed));
     let next = tokio::spawn(next_replayed(progress, Duration::from_secs(120)));
     let mut problems = Vec::new();
     let status = ended(task, &mut problems).await;
@@ -127,8 +129,16 @@ pub async fn rabbit_node_lost(
         },
     )
     .await;
-    cluster.start(killed);
     tally
+}
+
+/// Runs its closure when dropped: what a scenario killed is started again even when it fails.
+struct Revive<F: FnMut()>(F);
+
+impl<F: FnMut()> Drop for Revive<F> {
+    fn drop(&mut self) {
+        (self.0)();
+    }
 }
 
 /// The Redis master lost (`kill -9`) mid-drain: behind Sentinel (the sentinels promote a
@@ -150,6 +160,8 @@ pub async fn redis_master_lost(
     let port = blocking(move || ha.kill_master(&state)).await;
     let next = tokio::spawn(next_replayed(progress, Duration::from_secs(120)));
     let failover = blocking(move || ha.wait_failover()).await;
+    // The killed master comes back as a replica, so that the group or shard has its replicas
+    // again (a `WAIT` for one would stall without).
     blocking(move || ha.restart(port)).await;
     let mut problems = Vec::new();
     let status = ended(task, &mut problems).await;
