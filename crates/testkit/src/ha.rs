@@ -4,10 +4,9 @@
 //! and says so, unless `REQUIRE_CLUSTERS=1` (CI), which makes it fail.
 
 use std::net::{SocketAddr, TcpStream};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
-use crate::world::{output_text, Broker, QueueType, Target};
+use crate::world::{must, Broker, QueueType, Target};
 
 /// The script that runs the three-node RabbitMQ 4 cluster.
 pub const RABBITMQ_CLUSTER_SCRIPT: &str =
@@ -47,17 +46,9 @@ fn present(what: &str, ports: &[u16], script: &str) -> bool {
 /// Run `program args` and return what it printed on stdout, panicking with all it printed
 /// unless it succeeded.
 fn run(program: &str, args: &[&str]) -> String {
-    let out = Command::new(program)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("{program}: {e}"));
-    assert!(
-        out.status.success(),
-        "{program} {}: {}",
-        args.join(" "),
-        output_text(&out)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
+    String::from_utf8_lossy(&must(program, args).stdout)
+        .trim()
+        .to_string()
 }
 
 /// The three-node RabbitMQ 4 cluster. Nodes are numbered 1 to 3.

@@ -43,28 +43,6 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
     tokio::task::spawn_blocking(f).await.expect("blocking task")
 }
 
-/// The messages a scenario replays, drained at `rate` through `amqp_url` (and `redis_url`).
-async fn drain_through(
-    w: &World,
-    mode: &'static str,
-    n: usize,
-    rate: u32,
-    amqp_url: &str,
-    redis_url: &str,
-) -> (
-    tokio::task::JoinHandle<Result<ReplayStatus, String>>,
-    tokio::sync::watch::Receiver<ReplayStatus>,
-) {
-    dead_letter_n(w, n).await;
-    let resource = w.manifest(&format!(
-        "{}  rate: {{messagesPerSecond: {rate}}}\n",
-        w.idempotency(mode)
-    ));
-    let mut replay = w.replay_on(&resource, redis_url);
-    replay.amqp_url = amqp_url.to_string();
-    spawn_watched_engine(replay, Options::default())
-}
-
 /// A RabbitMQ node lost (`kill -9`) mid-drain, on the three-node cluster, DLQ and target quorum
 /// queues. The world (`RabbitCluster::target`) reaches the cluster through node 1, so its queues
 /// are led by node 1; the replay lists another node first. The replay must end `Done` on the

@@ -115,12 +115,29 @@ pub(super) async fn start_watched_drain(
     tokio::task::JoinHandle<Result<ReplayStatus, String>>,
     tokio::sync::watch::Receiver<ReplayStatus>,
 ) {
+    let redis_url = redis_url.unwrap_or(crate::world::redis_url());
+    drain_through(w, mode, n, rate, w.amqp_url(), redis_url).await
+}
+
+/// [`start_watched_drain`] through `amqp_url` (a cluster's nodes in some order) and `redis_url`.
+pub(super) async fn drain_through(
+    w: &World,
+    mode: &'static str,
+    n: usize,
+    rate: u32,
+    amqp_url: &str,
+    redis_url: &str,
+) -> (
+    tokio::task::JoinHandle<Result<ReplayStatus, String>>,
+    tokio::sync::watch::Receiver<ReplayStatus>,
+) {
     dead_letter_n(w, n).await;
     let resource = w.manifest(&format!(
         "{}  rate: {{messagesPerSecond: {rate}}}\n",
         w.idempotency(mode)
     ));
-    let replay = w.replay_on(&resource, redis_url.unwrap_or(crate::world::redis_url()));
+    let mut replay = w.replay_on(&resource, redis_url);
+    replay.amqp_url = amqp_url.to_string();
     spawn_watched_engine(replay, Options::default())
 }
 
