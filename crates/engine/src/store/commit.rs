@@ -209,6 +209,14 @@ impl Store {
         let mut retries = Retries::new(self.retry_for, self.stop.clone());
         loop {
             let attempt = async {
+                if let Some(wait) = self.con.inline_wait() {
+                    // One round trip: the script, then the WAIT for it.
+                    let mut p = redis::pipe();
+                    p.add_command(invocation.clone()).add_command(wait);
+                    let (answer, got) = eval_pipeline(&mut self.con, commit_script(), &p).await?;
+                    self.con.enough(got)?;
+                    return Ok(answer);
+                }
                 let answer = eval(&mut self.con, commit_script(), &invocation).await?;
                 end_claims(&mut self.con, apart).await?;
                 let mut written = vec![self.keys.state.as_str()];
@@ -353,6 +361,22 @@ pub(super) async fn eval<T: redis::FromRedisValue>(
         Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
             script.prepare_invoke().load_async(con).await?;
             cmd.query_async(con).await
+        }
+        answer => answer,
+    }
+}
+
+/// [`eval`] for a pipeline of a script call and then a `WAIT`: the script's answer, and the
+/// `WAIT`'s.
+async fn eval_pipeline<T: redis::FromRedisValue>(
+    con: &mut super::Redis,
+    script: &redis::Script,
+    p: &redis::Pipeline,
+) -> redis::RedisResult<(T, u64)> {
+    match p.query_async(con).await {
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            script.prepare_invoke().load_async(con).await?;
+            p.query_async(con).await
         }
         answer => answer,
     }

@@ -18,7 +18,6 @@
 //! redis-rs connection. A Cluster pipeline whose keys span slots is sent one command at a time,
 //! all at once (redis-rs sends a pipeline to one node only).
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -45,10 +44,6 @@ const WAIT_MS: u64 = 2000;
 pub struct Redis {
     inner: Inner,
     replicas: u64,
-    /// Sentinel: which connection to the master (counted from 1) this handle sent its last
-    /// command on, so that a `WAIT` on a newer one (the master changed in between) is not taken
-    /// for the write's.
-    sent_on: u64,
 }
 
 #[derive(Clone)]
@@ -82,7 +77,6 @@ pub async fn connect(url: &str) -> Result<Redis, Error> {
     Ok(Redis {
         inner,
         replicas: replicas.unwrap_or(default_replicas),
-        sent_on: 0,
     })
 }
 
@@ -214,10 +208,8 @@ async fn cluster(url: &str) -> Result<ClusterConnection, Error> {
 /// once it failed with a lost connection or a read-only master.
 pub(crate) struct Sentinel {
     client: tokio::sync::Mutex<SentinelClient>,
-    /// The connection to the master, and its number.
-    current: Mutex<Option<(u64, MultiplexedConnection)>>,
-    /// How many connections to a master were made.
-    made: AtomicU64,
+    /// The connection to the master.
+    current: Mutex<Option<MultiplexedConnection>>,
 }
 
 impl Sentinel {
@@ -273,14 +265,13 @@ impl Sentinel {
         let me = Arc::new(Self {
             client: tokio::sync::Mutex::new(client),
             current: Mutex::new(None),
-            made: AtomicU64::new(0),
         });
         me.connection().await.map_err(cannot_connect)?;
         Ok(me)
     }
 
     /// The connection to the master, made (the sentinels asked which it is) if there is none.
-    async fn connection(&self) -> RedisResult<(u64, MultiplexedConnection)> {
+    async fn connection(&self) -> RedisResult<MultiplexedConnection> {
         if let Some(c) = self.cached() {
             return Ok(c);
         }
@@ -293,14 +284,13 @@ impl Sentinel {
             .set_response_timeout(Some(TIMEOUT))
             .set_connection_timeout(Some(TIMEOUT));
         let con = client.get_async_connection_with_config(&config).await?;
-        let n = self.made.fetch_add(1, Ordering::Relaxed) + 1;
         if let Ok(mut current) = self.current.lock() {
-            *current = Some((n, con.clone()));
+            *current = Some(con.clone());
         }
-        Ok((n, con))
+        Ok(con)
     }
 
-    fn cached(&self) -> Option<(u64, MultiplexedConnection)> {
+    fn cached(&self) -> Option<MultiplexedConnection> {
         self.current.lock().ok().and_then(|c| c.clone())
     }
 
@@ -318,15 +308,13 @@ impl Sentinel {
 
 impl ConnectionLike for Redis {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
-        let Redis { inner, sent_on, .. } = self;
-        match inner {
+        match &mut self.inner {
             Inner::Single(c) => c.req_packed_command(cmd),
             Inner::Cluster(c) => c.req_packed_command(cmd),
             Inner::Sentinel(s) => {
                 let s = s.clone();
                 async move {
-                    let (n, mut con) = s.connection().await.inspect_err(|e| s.lost(e))?;
-                    *sent_on = n;
+                    let mut con = s.connection().await.inspect_err(|e| s.lost(e))?;
                     con.req_packed_command(cmd).await.inspect_err(|e| s.lost(e))
                 }
                 .boxed()
@@ -340,8 +328,7 @@ impl ConnectionLike for Redis {
         offset: usize,
         count: usize,
     ) -> RedisFuture<'a, Vec<Value>> {
-        let Redis { inner, sent_on, .. } = self;
-        match inner {
+        match &mut self.inner {
             Inner::Single(c) => c.req_packed_commands(pipeline, offset, count),
             Inner::Cluster(c) if !pipeline.is_transaction() => {
                 cluster_pipeline(c.clone(), pipeline, offset, count).boxed()
@@ -350,8 +337,7 @@ impl ConnectionLike for Redis {
             Inner::Sentinel(s) => {
                 let s = s.clone();
                 async move {
-                    let (n, mut con) = s.connection().await.inspect_err(|e| s.lost(e))?;
-                    *sent_on = n;
+                    let mut con = s.connection().await.inspect_err(|e| s.lost(e))?;
                     con.req_packed_commands(pipeline, offset, count)
                         .await
                         .inspect_err(|e| s.lost(e))
@@ -429,47 +415,55 @@ fn slots_of(cmd: &Cmd) -> Vec<u16> {
 }
 
 impl Redis {
-    /// Wait until [`Redis::replicas`] replicas hold what this connection wrote under `keys`
-    /// (Redis `WAIT`, on each node that holds one of them). Nothing to wait for when no replica is
-    /// asked for. An answer short of it is a lost write, for now: the caller asks again (the
-    /// replica may be catching up, the failover may be under way) within its retry budget.
+    /// In a Cluster: wait until [`Redis::replicas`] replicas hold what this connection wrote
+    /// under `keys` (Redis `WAIT`, on the master of each of their slots). One server and Sentinel
+    /// carry their [`Redis::inline_wait`] with the write instead; nothing to do here for them, nor
+    /// when no replica is asked for. An answer short of it is a lost write, for now: the caller
+    /// asks again (the replica may be catching up, the failover may be under way) within its
+    /// retry budget.
     pub async fn replicated(&mut self, keys: &[&str]) -> Result<(), Error> {
         let want = self.replicas;
+        let Inner::Cluster(c) = &self.inner else {
+            return Ok(());
+        };
         if want == 0 || keys.is_empty() {
             return Ok(());
         }
         let mut wait = redis::cmd("WAIT");
         wait.arg(want).arg(WAIT_MS);
-        let got: u64 = match &mut self.inner {
-            Inner::Cluster(c) => {
-                let mut slots: Vec<u16> = keys.iter().map(|k| slot(k)).collect();
-                slots.sort_unstable();
-                slots.dedup();
-                let asked = slots.into_iter().map(|s| {
-                    let mut c = c.clone();
-                    let wait = wait.clone();
-                    async move {
-                        let to =
-                            SingleNodeRoutingInfo::SpecificNode(Route::new(s, SlotAddr::Master));
-                        let n = c.route_command(wait, RoutingInfo::SingleNode(to)).await?;
-                        redis::from_redis_value::<u64>(n).map_err(RedisError::from)
-                    }
-                });
-                let answers: RedisResult<Vec<u64>> = join_all(asked).await.into_iter().collect();
-                answers?.into_iter().min().unwrap_or(want)
+        let mut slots: Vec<u16> = keys.iter().map(|k| slot(k)).collect();
+        slots.sort_unstable();
+        slots.dedup();
+        let asked = slots.into_iter().map(|s| {
+            let mut c = c.clone();
+            let wait = wait.clone();
+            async move {
+                let to = SingleNodeRoutingInfo::SpecificNode(Route::new(s, SlotAddr::Master));
+                let n = c.route_command(wait, RoutingInfo::SingleNode(to)).await?;
+                redis::from_redis_value::<u64>(n).map_err(RedisError::from)
             }
-            _ => {
-                let wrote_on = self.sent_on;
-                let n = wait.query_async(&mut *self).await?;
-                if self.sent_on != wrote_on {
-                    return Err(Error::Connection(
-                        "redis: the master changed between a write and its WAIT; writing again"
-                            .into(),
-                    ));
-                }
-                n
-            }
-        };
+        });
+        let answers: RedisResult<Vec<u64>> = join_all(asked).await.into_iter().collect();
+        self.enough(answers?.into_iter().min().unwrap_or(want))
+    }
+
+    /// The `WAIT` to send in the same pipeline as a write, so that waiting costs no round trip of
+    /// its own: with one server or Sentinel, where a pipeline goes over one connection and the
+    /// `WAIT` is that write's. `None` when no replica is asked for, or in a Cluster (where the
+    /// writes of a step go to several nodes: [`Redis::replicated`] asks each).
+    pub fn inline_wait(&self) -> Option<Cmd> {
+        if self.replicas == 0 || matches!(self.inner, Inner::Cluster(_)) {
+            return None;
+        }
+        let mut wait = redis::cmd("WAIT");
+        wait.arg(self.replicas).arg(WAIT_MS);
+        Some(wait)
+    }
+
+    /// Whether `got` replicas (a `WAIT`'s answer) are enough: short of them, the write is taken as
+    /// lost, for now (see [`Redis::replicated`]).
+    pub fn enough(&self, got: u64) -> Result<(), Error> {
+        let want = self.replicas;
         if got < want {
             return Err(Error::Connection(format!(
                 "redis: a write reached {got} of the {want} replicas it must reach within {WAIT_MS} ms (replicas= in the Redis URL says how many)"

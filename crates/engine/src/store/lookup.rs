@@ -116,7 +116,18 @@ impl Store {
         if !asked.is_empty() && !apart {
             p.cmd("MGET").arg(&asked);
         }
+        // A claim only the master holds is lost with it in a failover: nothing is published under
+        // it before the replicas hold it too (a WAIT in the same round trip where it can be).
+        let inline = claim.and(self.con.inline_wait());
+        let waits = inline.is_some();
+        if let Some(wait) = inline {
+            p.add_command(wait);
+        }
         let mut values: Vec<Value> = p.query_async(&mut self.con).await?;
+        if waits {
+            let got = values.pop().unwrap_or(Value::Nil);
+            self.con.enough(redis::from_redis_value(got)?)?;
+        }
         if !asked.is_empty() && apart {
             values.push(
                 redis::cmd("MGET")
@@ -125,9 +136,7 @@ impl Store {
                     .await?,
             );
         }
-        if claim.is_some() {
-            // A claim only the master holds is lost with it in a failover: nothing is published
-            // under it before the replicas hold it too.
+        if claim.is_some() && !waits {
             self.con.replicated(&asked).await?;
         }
         let mut it = values.into_iter();
