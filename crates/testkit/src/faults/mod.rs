@@ -91,6 +91,8 @@ impl Tally {
 pub struct Places {
     /// Message id → copies in the target.
     pub target: BTreeMap<String, usize>,
+    /// The target's message ids in the order the queue gave them.
+    pub target_order: Vec<String>,
     pub keys_twice: usize,
     pub quarantine: BTreeMap<String, String>,
     pub dlq: BTreeSet<String>,
@@ -107,6 +109,7 @@ impl Places {
             if let Some(k) = header(&m, "x-idempotency-key") {
                 *keys.entry(k).or_default() += 1;
             }
+            p.target_order.push(m.id.clone());
             *p.target.entry(m.id).or_default() += 1;
         }
         p.keys_twice = keys.values().filter(|&&n| n > 1).count();

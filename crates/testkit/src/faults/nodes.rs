@@ -98,7 +98,15 @@ pub async fn rabbit_node_lost(
         1,
         &status,
         &mut problems,
-        |p, _| {
+        |p, problems| {
+            // The DLQ's order survives its leader's change: with the replay's connection intact
+            // nothing is handed back, so the target holds the messages in the DLQ's order.
+            // (A lost connection hands its unacked messages back, which a RabbitMQ 4 quorum
+            // queue puts behind the rest: not checked then.)
+            let ordered = p.target_order.windows(2).all(|w| w[0] < w[1]);
+            if loss == NodeLoss::Leader && !ordered {
+                problems.push("the target's messages are not in the DLQ's order".into());
+            }
             format!(
                 "killed node {killed} (replay through {through}, DLQ led by {leader}, then {leader_after}); next replayed {}; {} OutcomeUnknown",
                 next.map_or("never".to_string(), |d| format!("{:.1}s after the kill", d.as_secs_f64())),
