@@ -210,7 +210,8 @@ impl Store {
         loop {
             let attempt = async {
                 if let Some(wait) = self.con.inline_wait() {
-                    // One round trip: the script, then the WAIT for it.
+                    // One server or Sentinel (the claims are ended in the script): one round trip,
+                    // the script, then the WAIT for it.
                     let mut p = redis::pipe();
                     p.add_command(invocation.clone()).add_command(wait);
                     let (answer, got) = eval_pipeline(&mut self.con, commit_script(), &p).await?;
