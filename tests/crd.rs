@@ -2,7 +2,7 @@
 //! `kubectl get` and `kubectl explain` need.
 //!
 //! `make crd` writes `dlq_replay::api::crd()`: the schema `kube::CustomResourceExt::crd()`
-//! derives from `DlqReplay` (with the bounds of its fields: `#[schemars(...)]` in `crates/engine/src/spec.rs`),
+//! derives from `DlqReplay` (with the bounds of its fields: `#[schemars(...)]` in `crates/engine/src/spec/`),
 //! plus the CEL rules of `api::rules()` on their nodes (cross-field rules, URLs, and the
 //! immutability of every spec field but `suspend`). The drift test compares the committed file
 //! to that; a second test checks that `api::crd()` adds nothing but the rules to the derived CRD.
@@ -89,7 +89,7 @@ fn committed_crd_matches_the_types() {
     if generated != committed {
         let at = first_difference("", &generated, &committed).unwrap_or_default();
         panic!(
-            "crds/dlqreplay.yaml is out of date with the Rust types (crates/engine/src/spec.rs, crates/api) (first difference at {at}); \
+            "crds/dlqreplay.yaml is out of date with the Rust types (crates/engine/src/spec/, crates/api) (first difference at {at}); \
              run `make crd` and commit the result"
         );
     }
