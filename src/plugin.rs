@@ -300,19 +300,9 @@ async fn report(
     let (meta, status, rows) = report::load::load(&url, meta, Some(&key))
         .await
         .map_err(|e| e.to_string())?;
-    let mut model = report::Report::build(meta, &status, &rows);
-    model.generated = Some(chrono::Utc::now());
-    let page = report::render(&model, format);
-    match output {
-        Some(path) => std::fs::write(&path, &page)
-            .map_err(|e| format!("{}: {e}", path.display()))
-            .map(|()| eprintln!("report of {name}: {}", path.display())),
-        None => {
-            use std::io::Write as _;
-            std::io::stdout()
-                .lock()
-                .write_all(page.as_bytes())
-                .map_err(|e| e.to_string())
-        }
+    report::write(meta, &status, &rows, format, output.as_deref())?;
+    if let Some(path) = output {
+        eprintln!("report of {name}: {}", path.display());
     }
+    Ok(())
 }

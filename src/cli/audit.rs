@@ -41,13 +41,15 @@ fn audit_source(trail: &TrailArgs) -> Result<(String, AuditSource), Error> {
 
 pub(super) async fn audit(args: AuditArgs) -> Result<ExitCode, Error> {
     let (redis_url, source) = audit_source(&args.trail)?;
+    // One connection for the key (a manifest's replay) and the rows, made only if one needs it.
+    let mut redis = None;
     let key = match (args.trail.key.clone(), source) {
         (Some(k), _) | (None, AuditSource::Key(k)) => k,
         (None, AuditSource::Manifest(m)) => {
             let replay = &m.1;
             let con = store::connect(&redis_url).await?;
             let layout = con.layout();
-            let state = store::Store::peek(con, &replay.namespace, &replay.state_name())
+            let state = store::Store::peek(con.clone(), &replay.namespace, &replay.state_name())
                 .await?
                 .ok_or_else(|| {
                     Error::Config(format!(
@@ -55,6 +57,7 @@ pub(super) async fn audit(args: AuditArgs) -> Result<ExitCode, Error> {
                         replay.namespace, replay.name
                     ))
                 })?;
+            redis = Some(con);
             store::Keys::audit_of(
                 layout,
                 &replay.namespace,
@@ -66,7 +69,10 @@ pub(super) async fn audit(args: AuditArgs) -> Result<ExitCode, Error> {
     let rows = match &args.trail.log {
         Some(path) => store::rows_of_log(&read_log(path)?, key.rsplit('/').next()),
         None => {
-            let mut con = store::connect(&redis_url).await?;
+            let mut con = match redis {
+                Some(con) => con,
+                None => store::connect(&redis_url).await?,
+            };
             store::read_audit(&mut con, &key).await?
         }
     };
@@ -98,29 +104,16 @@ pub(super) async fn report(args: ReportArgs) -> Result<ExitCode, Error> {
     if let Some(path) = &args.trail.log {
         rows = store::rows_of_log(&read_log(path)?, status.replay_id.as_deref());
     }
-    let mut model = report::Report::build(meta, &status, &rows);
-    model.generated = Some(chrono::Utc::now());
-    let page = report::render(&model, args.format);
-    match &args.output {
-        Some(path) => {
-            std::fs::write(path, &page)
-                .map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
-            eprintln!(
-                "report of {}/{} ({} audit rows, {} bytes): {}",
-                model.meta.namespace,
-                model.meta.name,
-                rows.len(),
-                page.len(),
-                path.display()
-            );
-        }
-        None => {
-            use std::io::Write as _;
-            std::io::stdout()
-                .lock()
-                .write_all(page.as_bytes())
-                .map_err(|e| Error::Io(e.to_string()))?;
-        }
+    let (model, bytes) = report::write(meta, &status, &rows, args.format, args.output.as_deref())
+        .map_err(Error::Io)?;
+    if let Some(path) = &args.output {
+        eprintln!(
+            "report of {}/{} ({} audit rows, {bytes} bytes): {}",
+            model.meta.namespace,
+            model.meta.name,
+            rows.len(),
+            path.display()
+        );
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -484,6 +484,32 @@ pub fn render(report: &Report, format: Format) -> String {
     }
 }
 
+/// The report of a replay dated now, rendered in `format` and written to `output` (standard
+/// output when none): what `dlq-replay report` and `kubectl dlqreplay report` both do. Returns the
+/// report (for what the caller says of it) and the page's length in bytes.
+pub fn write(
+    meta: Meta,
+    status: &ReplayStatus,
+    rows: &[AuditRow],
+    format: Format,
+    output: Option<&std::path::Path>,
+) -> Result<(Report, usize), String> {
+    let mut model = Report::build(meta, status, rows);
+    model.generated = Some(Utc::now());
+    let page = render(&model, format);
+    match output {
+        Some(path) => std::fs::write(path, &page).map_err(|e| format!("{}: {e}", path.display())),
+        None => {
+            use std::io::Write as _;
+            std::io::stdout()
+                .lock()
+                .write_all(page.as_bytes())
+                .map_err(|e| e.to_string())
+        }
+    }?;
+    Ok((model, page.len()))
+}
+
 /// A time as `2025-01-31 12:00:05.123 UTC`, or "—".
 pub fn show_time(t: Option<DateTime<Utc>>) -> String {
     t.map(|t| t.format("%Y-%m-%d %H:%M:%S%.3f UTC").to_string())
