@@ -49,22 +49,8 @@ pub(crate) async fn a_replay_through_clustered_servers_named_in_its_secrets_runs
         claim.as_deref().is_some_and(|v| v.ends_with("+published")),
         "{claim:?}"
     );
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("*{}*", c.ns()))
-        .query_async(&mut redis)
-        .await
-        .unwrap_or_default();
-    let mine: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("{}*", w.prefix))
-        .query_async(&mut redis)
-        .await
-        .unwrap_or_default();
-    for k in keys.iter().chain(&mine) {
-        let _: () = redis::cmd("DEL")
-            .arg(k)
-            .query_async(&mut redis)
-            .await
-            .unwrap();
+    for pattern in [format!("*{}*", c.ns()), format!("{}*", w.prefix)] {
+        forget_keys(&mut redis, &pattern).await;
     }
     w.cleanup().await;
 }

@@ -253,14 +253,7 @@ impl Cluster {
         let Ok(mut r) = dlq_replay_engine::store::connect(crate::world::redis_url()).await else {
             return;
         };
-        let keys: Vec<String> = redis::cmd("KEYS")
-            .arg(format!("dlq:*:{}/*", self.ns))
-            .query_async(&mut r)
-            .await
-            .unwrap_or_default();
-        if !keys.is_empty() {
-            let _: Result<(), _> = redis::cmd("DEL").arg(&keys).query_async(&mut r).await;
-        }
+        crate::world::forget_keys(&mut r, &format!("dlq:*:{}/*", self.ns)).await;
     }
 }
 

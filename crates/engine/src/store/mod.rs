@@ -28,7 +28,7 @@ use crate::Error;
 
 pub use audit::{read_audit, rows_of_log, AuditRow, Decision};
 pub use commit::ClaimEnd;
-pub use conn::{connect, slot, Layout, Redis};
+pub use conn::{connect, Layout, Redis};
 pub use held::{claim_value, confirmed_claim, Held};
 pub use lookup::Lookup;
 pub use retain::{reopen, retain, retention};

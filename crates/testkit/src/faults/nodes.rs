@@ -88,7 +88,7 @@ pub async fn rabbit_node_lost(
         NodeLoss::Connected => "rabbitmq: kill -9 of the replay's node",
         NodeLoss::Leader => "rabbitmq: kill -9 of the DLQ's leader",
     };
-    let tally = finish_on(
+    finish_on(
         w,
         redis_url(),
         &w.topo.work.clone(),
@@ -109,13 +109,12 @@ pub async fn rabbit_node_lost(
             }
             format!(
                 "killed node {killed} (replay through {through}, DLQ led by {leader}, then {leader_after}); next replayed {}; {} OutcomeUnknown",
-                next.map_or("never".to_string(), |d| format!("{:.1}s after the kill", d.as_secs_f64())),
+                after_kill(next),
                 p.unknown()
             )
         },
     )
-    .await;
-    tally
+    .await
 }
 
 /// Runs its closure when dropped: what a scenario killed is started again even when it fails.
@@ -171,10 +170,7 @@ pub async fn redis_master_lost(
             format!(
                 "killed :{port}; new master in {:.1}s; next replayed {}; {} OutcomeUnknown",
                 failover.as_secs_f64(),
-                next.map_or("never".to_string(), |d| format!(
-                    "{:.1}s after the kill",
-                    d.as_secs_f64()
-                )),
+                after_kill(next),
                 p.unknown()
             )
         },
@@ -187,15 +183,14 @@ pub async fn redis_master_lost(
 /// Delete the keys of the world tagged `tag` from the Redis at `url` (the world's cleanup knows
 /// its own Redis only).
 async fn forget(url: &str, tag: &str) {
-    let Ok(mut r) = store::connect(url).await else {
-        return;
-    };
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("*{tag}*"))
-        .query_async(&mut r)
-        .await
-        .unwrap_or_default();
-    if !keys.is_empty() {
-        let _: Result<(), _> = redis::cmd("DEL").arg(&keys).query_async(&mut r).await;
+    if let Ok(mut r) = store::connect(url).await {
+        forget_keys(&mut r, &format!("*{tag}*")).await;
     }
+}
+
+/// "N.Ns after the kill", or "never" (`next_replayed` gave up).
+fn after_kill(next: Option<Duration>) -> String {
+    next.map_or("never".to_string(), |d| {
+        format!("{:.1}s after the kill", d.as_secs_f64())
+    })
 }

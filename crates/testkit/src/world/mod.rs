@@ -304,16 +304,21 @@ impl World {
             // The engine's per-queue keys (`dlq:routes:<broker>/<queue>`, `dlq:moves:...`).
             format!("dlq:*/{}.*", self.tag),
         ] {
-            let keys: Vec<String> = redis::cmd("KEYS")
-                .arg(&pattern)
-                .query_async(&mut r)
-                .await
-                .unwrap_or_default();
-            if !keys.is_empty() {
-                let _: Result<(), _> = redis::cmd("DEL").arg(&keys).query_async(&mut r).await;
-            }
+            forget_keys(&mut r, &pattern).await;
         }
         let _ = self.conn.close(200, "bye".into()).await;
+    }
+}
+
+/// Delete the keys matching `pattern` (a test's cleanup; errors are ignored: nothing to clean).
+pub async fn forget_keys(r: &mut engine::store::Redis, pattern: &str) {
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(pattern)
+        .query_async(r)
+        .await
+        .unwrap_or_default();
+    if !keys.is_empty() {
+        let _: Result<(), _> = redis::cmd("DEL").arg(&keys).query_async(r).await;
     }
 }
 
