@@ -166,7 +166,7 @@ async fn dead_letter_from_another_producer(w: &World) -> String {
         &["set_permissions", "-p", "/", &user, ".*", ".*", ".*"],
     );
     let url = format!("amqp://{user}:{password}@127.0.0.1:5672/%2f");
-    let producer = dlq_replay::engine::connect_amqp(&url, "producer")
+    let producer = dlq_replay::fixture::connect(&url, "producer")
         .await
         .unwrap();
     let ch = producer.create_channel().await.unwrap();

@@ -4,7 +4,6 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use dlq_replay::engine;
 use dlq_replay::fixture::QueueType;
 use lapin::Connection;
 
@@ -142,7 +141,7 @@ impl Broker {
         let at = address(&amqp);
         let conn = match tokio::time::timeout(
             Duration::from_secs(10),
-            engine::connect_amqp(&amqp, "dlq-replay bench"),
+            dlq_replay::fixture::connect(&amqp, "dlq-replay bench"),
         )
         .await
         {

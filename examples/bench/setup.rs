@@ -3,8 +3,8 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use dlq_replay::engine::store;
 use dlq_replay::engine::store::Redis;
-use dlq_replay::engine::{self, store};
 use dlq_replay::fixture::{self, QueueType, Topology};
 use lapin::options::QueueDeleteOptions;
 use lapin::{BasicProperties, Channel};
@@ -38,7 +38,7 @@ impl Bench {
             .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
         let redis_url =
             std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/".into());
-        let conn = engine::connect_amqp(&amqp, "dlq-replay bench")
+        let conn = dlq_replay::fixture::connect(&amqp, "dlq-replay bench")
             .await
             .expect("broker");
         let mut v3 = Broker {

@@ -6,11 +6,7 @@ use std::time::{Duration, Instant};
 
 use dlq_replay::engine;
 use futures::StreamExt;
-use lapin::options::{
-    BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
-    QueueDeclareOptions,
-};
-use lapin::types::FieldTable;
+use lapin::options::QueueDeclareOptions;
 use serde_json::json;
 
 use crate::broker::Section;
@@ -274,54 +270,46 @@ impl Bench {
         run
     }
 
-    /// The ceiling at a window: a bare lapin client in this process that consumes the DLQ
-    /// (prefetch = window) on one connection, publishes each message to a plain queue of the
-    /// same type with confirms on another, keeps at most `window` publishes unconfirmed, and
-    /// acks each original once its copy is confirmed. No Redis, no decisions: what the two
-    /// connections and the broker cost. Its CPU is this harness's over the run.
+    /// The ceiling at a window: a bare client (the engine's own AMQP client, `engine::amqp`)
+    /// in this process that consumes the DLQ (prefetch = window) on one connection, publishes
+    /// each message to a plain queue of the same type with confirms on another, keeps at most
+    /// `window` publishes unconfirmed, and acks each original once its copy is confirmed. No
+    /// Redis, no decisions: what the two connections and the broker cost. Its CPU is this
+    /// harness's over the run.
     pub(crate) async fn bare(&mut self, s: &Section, rep: usize, n: usize, window: usize) -> Run {
+        use engine::amqp::{Confirmation, Connection, QueueDeclare};
         use std::collections::VecDeque;
         let prefix = self.prefix(&format!("{}bare{rep}", s.tag));
         let topo = self.build_dlq(s, &prefix, n, &[]).await;
         let dest = format!("{prefix}.dest");
         let amqp = self.brokers[s.broker].amqp.clone();
-        let src_conn = engine::connect_amqp(&amqp, "bench bare source")
+        let src_conn = Connection::connect(&amqp, "bench bare source")
             .await
             .expect("connect");
-        let pub_conn = engine::connect_amqp(&amqp, "bench bare publisher")
+        let pub_conn = Connection::connect(&amqp, "bench bare publisher")
             .await
             .expect("connect");
         let src = src_conn.create_channel().await.expect("channel");
         let publ = pub_conn.create_channel().await.expect("channel");
-        publ.queue_declare(
-            dest.as_str().into(),
-            QueueDeclareOptions::durable(),
-            topo.queue_args(),
-        )
-        .await
-        .expect("dest queue");
-        publ.confirm_select(ConfirmSelectOptions::default())
+        let durable = QueueDeclare {
+            durable: true,
+            ..Default::default()
+        };
+        publ.queue_declare(&dest, durable, topo.queue_args())
             .await
-            .expect("confirms");
+            .expect("dest queue");
+        publ.confirm_select().await.expect("confirms");
         // The prefetch dlq-replay uses for the same window (deliveries waiting in the client are
         // no risk: not yet published); the window bounds the unconfirmed publishes.
-        src.basic_qos(
-            (window * 8).clamp(64, 1024) as u16,
-            BasicQosOptions::default(),
-        )
-        .await
-        .expect("qos");
+        src.basic_qos((window * 8).clamp(64, 1024) as u16)
+            .await
+            .expect("qos");
         let redis0 = redis_counters(&mut self.redis).await;
         let usage0 = self.cpu(s);
         let own0 = proc_cpu_split(std::process::id());
         let started = Instant::now();
         let mut consumer = src
-            .basic_consume(
-                topo.dlq.as_str().into(),
-                "bench-bare".into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
+            .basic_consume(&topo.dlq, "bench-bare")
             .await
             .expect("consume");
         // At most `window` publishes unconfirmed; when the window is full, the oldest half is
@@ -337,18 +325,9 @@ impl Bench {
                     break;
                 };
                 let confirm = publ
-                    .basic_publish(
-                        "".into(),
-                        dest.as_str().into(),
-                        BasicPublishOptions {
-                            mandatory: true,
-                            ..Default::default()
-                        },
-                        &d.data,
-                        d.properties.clone(),
-                    )
-                    .await
-                    .expect("publish");
+                    .basic_publish("", &dest, true, d.properties.clone(), &d.data)
+                    .expect("publish")
+                    .expect("a confirm");
                 inflight.push_back((d.delivery_tag, confirm));
                 received += 1;
                 continue;
@@ -358,9 +337,8 @@ impl Bench {
                 let Some((tag, confirm)) = inflight.pop_front() else {
                     break;
                 };
-                let confirm: lapin::PublisherConfirm = confirm;
                 match confirm.await {
-                    Ok(c) if c.is_ack() => {}
+                    Ok(Confirmation::Ack(None)) => {}
                     _ => nacked += 1,
                 }
                 last = Some(tag);
@@ -369,9 +347,7 @@ impl Bench {
             let Some(tag) = last else {
                 break;
             };
-            src.basic_ack(tag, lapin::options::BasicAckOptions { multiple: true })
-                .await
-                .expect("ack");
+            src.basic_ack(tag, true).expect("ack");
         }
         let wall = started.elapsed().as_secs_f64();
         let own1 = proc_cpu_split(std::process::id());
@@ -383,8 +359,8 @@ impl Bench {
         );
         // This harness is the measured process here, not a bystander.
         usage.harness = 0.0;
-        let _ = src_conn.close(200, "ok".into()).await;
-        let _ = pub_conn.close(200, "ok".into()).await;
+        let _ = src_conn.close(200, "ok").await;
+        let _ = pub_conn.close(200, "ok").await;
         let ch = self.channel(s).await;
         let dst = self.depth(&ch, &dest).await;
         if dst as usize != n || nacked > 0 {

@@ -14,7 +14,7 @@ use serde_json::json;
 
 use super::DemoArgs;
 use crate::cli;
-use crate::engine::{connect_amqp, key, store, Options};
+use crate::engine::{key, store, Options};
 use crate::fixture::{self, Topology};
 use crate::{manifest, Error};
 
@@ -29,8 +29,8 @@ pub async fn run(args: DemoArgs) -> Result<ExitCode, Error> {
             topo.dlq, replay.spec.source.queue
         )));
     }
-    let conn = connect_amqp(&replay.amqp_url, "dlq-replay demo").await?;
-    let ch = conn.create_channel().await?;
+    let conn = fixture::connect(&replay.amqp_url, "dlq-replay demo").await?;
+    let ch = conn.create_channel().await.map_err(fixture::broker)?;
     topo.declare(&ch).await?;
     let mut redis = store::connect(&replay.redis_url).await?;
     forget(
@@ -93,7 +93,7 @@ pub async fn run(args: DemoArgs) -> Result<ExitCode, Error> {
         topo.work
     );
     let worker = tokio::spawn(fixed_worker(
-        conn.create_channel().await?,
+        conn.create_channel().await.map_err(fixture::broker)?,
         topo.work.clone(),
         redis.clone(),
         idem.done_value.clone(),

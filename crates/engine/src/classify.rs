@@ -2,7 +2,7 @@
 //!
 //! Kept free of I/O so every rule is unit-tested and fuzzable, and `plan` and `run` decide alike.
 
-use lapin::BasicProperties;
+use crate::amqp::BasicProperties;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 use std::borrow::Cow;
@@ -288,8 +288,8 @@ pub fn original_queue(props: &BasicProperties) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::amqp::{AMQPValue, FieldArray, FieldTable};
     use crate::spec::{KeyField, TargetSpec};
-    use lapin::types::{AMQPValue, FieldArray, FieldTable};
 
     fn dead(reason: &str, count: i64, extra: &[(&str, &str)]) -> BasicProperties {
         let mut d = FieldTable::default();

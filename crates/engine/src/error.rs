@@ -34,23 +34,6 @@ impl Error {
     }
 }
 
-/// Whether a broker error means the connection is gone (refused, reset, closed by the broker
-/// with a hard error such as CONNECTION_FORCED), rather than a request refused on a live one.
-pub fn broker_connection_lost(e: &lapin::Error) -> bool {
-    use lapin::ErrorKind;
-    match e.kind() {
-        ErrorKind::IOError(_)
-        | ErrorKind::InvalidConnectionState(_)
-        | ErrorKind::MissingHeartbeatError => true,
-        // A hard error (e.g. CONNECTION_FORCED from `rabbitmqctl close_connection` or a
-        // broker shutdown) closes the whole connection.
-        ErrorKind::ProtocolError(amqp) => {
-            matches!(amqp.kind(), lapin::protocol::AMQPErrorKind::Hard(_))
-        }
-        _ => false,
-    }
-}
-
 /// Whether a Redis error means the connection is gone (or Redis stopped answering), or the
 /// server is failing over: read-only (a master that was demoted), its master down, the cluster
 /// moving slots or down for now, loading its data after a restart, no sentinel naming a master
@@ -72,9 +55,9 @@ pub fn redis_connection_lost(e: &redis::RedisError) -> bool {
         )
 }
 
-impl From<lapin::Error> for Error {
-    fn from(e: lapin::Error) -> Self {
-        if broker_connection_lost(&e) {
+impl From<crate::amqp::AmqpError> for Error {
+    fn from(e: crate::amqp::AmqpError) -> Self {
+        if e.is_connection_lost() {
             Error::Connection(format!("broker connection lost: {e}"))
         } else {
             Error::Broker(e.to_string())
@@ -101,23 +84,24 @@ impl From<redis::RedisError> for Error {
 #[cfg(test)]
 mod tests {
     use super::Error;
-    use lapin::protocol::{AMQPError, AMQPErrorKind, AMQPHardError, AMQPSoftError};
-    use lapin::ErrorKind;
-
-    fn amqp(kind: AMQPErrorKind) -> lapin::Error {
-        ErrorKind::ProtocolError(AMQPError::new(kind, "x".into())).into()
-    }
+    use crate::amqp::AmqpError;
 
     #[test]
     fn a_lost_connection_is_transient_and_a_refusal_is_not() {
         let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
-        assert!(Error::from(lapin::Error::from(io)).is_transient());
-        let forced = amqp(AMQPErrorKind::Hard(AMQPHardError::CONNECTIONFORCED));
-        assert!(Error::from(forced).is_transient());
-        let not_found = amqp(AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND));
+        assert!(Error::from(AmqpError::from(io)).is_transient());
+        let closed = |code: u16| AmqpError::ConnectionClosed {
+            code,
+            text: "x".into(),
+        };
+        assert!(Error::from(closed(320)).is_transient(), "CONNECTION_FORCED");
+        assert!(Error::from(AmqpError::MissingHeartbeat(120)).is_transient());
+        assert!(!Error::from(closed(403)).is_transient(), "a refused login");
+        let not_found = AmqpError::ChannelClosed {
+            code: 404,
+            text: "NOT_FOUND".into(),
+        };
         assert!(!Error::from(not_found).is_transient());
-        let refused = amqp(AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED));
-        assert!(!Error::from(refused).is_transient());
     }
 
     #[test]

@@ -30,10 +30,8 @@
 use std::collections::{HashMap, HashSet};
 use std::fmt::Write as _;
 
+use crate::amqp::{BasicProperties, Channel, Confirm, Connection, FieldTable};
 use crate::store::Redis;
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
-use lapin::types::FieldTable;
-use lapin::{BasicProperties, Channel, Connection, PublisherConfirm};
 
 use sha2::{Digest, Sha256};
 
@@ -272,10 +270,7 @@ impl Mover {
     /// A confirming channel of its own on `conn`, so that a replay publish that closes its
     /// channel (a deleted exchange) does not take the copies with it.
     pub async fn open(conn: &Connection, user: &str, queue: &str) -> Result<Self, Error> {
-        let channel = conn.create_channel().await?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await?;
+        let channel = publish::confirming_channel(conn).await?;
         Ok(Self {
             channel,
             user: user.into(),
@@ -302,44 +297,31 @@ impl Mover {
         if messages.is_empty() {
             return Ok(Vec::new());
         }
-        if !self.channel.status().connected() {
+        if !self.channel.is_open() {
             // Only a lost connection closes it (the default exchange always exists): the pass
             // ends and the next one starts on new connections.
             return Err(Error::Connection(
                 "the channel moving kept messages to the tail closed".into(),
             ));
         }
-        // Each publish is queued, in order, when first polled; the futures then wait together
-        // for the connection to write them (awaited one by one, every copy cost a wake-up of
-        // the connection's I/O thread and back).
-        let channel = &self.channel;
+        // Each publish is queued in order; the writer sends them together.
         let (queue, user) = (self.queue.as_str(), self.user.as_str());
-        let sent = futures::future::join_all(messages.iter().map(|(props, body)| {
-            channel.basic_publish(
-                "".into(),
-                queue.into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..Default::default()
-                },
-                body,
-                publish::as_user(copy_properties(props), user),
-            )
-        }))
-        .await;
-        Ok(sent
-            .into_iter()
-            .map(|s| match s {
-                Ok(confirm) => Copy(Some(confirm)),
-                // Refused before it left: no copy exists.
-                Err(_) => Copy(None),
+        Ok(messages
+            .iter()
+            .map(|(props, body)| {
+                let props = publish::as_user(copy_properties(props), user);
+                match publish::confirmed(self.channel.basic_publish("", queue, true, props, body)) {
+                    Ok(confirm) => Copy(Some(confirm)),
+                    // Refused before it left: no copy exists.
+                    Err(_) => Copy(None),
+                }
             })
             .collect())
     }
 }
 
 /// A copy on its way to the tail: its confirm, or `None` when it was refused before it left.
-pub struct Copy(Option<PublisherConfirm>);
+pub struct Copy(Option<Confirm>);
 
 impl Copy {
     /// What became of the message, once the broker has answered for its copy.
@@ -360,7 +342,7 @@ impl Copy {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lapin::types::AMQPValue;
+    use crate::amqp::AMQPValue;
 
     #[test]
     fn the_digest_is_that_of_the_formatted_copy() {

@@ -8,6 +8,7 @@
 //! A replay flows one way through the stages below: [`run`] opens its context once, then
 //! pre-flight, canary, drain and finish run in order over it.
 
+pub mod amqp;
 pub mod endpoints;
 mod error;
 pub mod observe;
@@ -33,12 +34,12 @@ pub mod watch;
 
 use std::time::Duration;
 
-use lapin::{Connection, ConnectionProperties};
+use amqp::Connection;
 use tokio_util::sync::CancellationToken;
 
 use crate::spec::DlqReplaySpec;
 use crate::status::{Counts, Phase, ReplayStatus};
-pub use error::{broker_connection_lost, redis_connection_lost, Error};
+pub use error::{redis_connection_lost, Error};
 use pass::{Opened, Pass, PassEnd};
 pub use preflight::{redis_check, RedisCheck};
 
@@ -172,7 +173,6 @@ pub async fn connect_amqp(url: &str, name: &str) -> Result<Connection, Error> {
 }
 
 async fn connect_one(url: &str, name: &str) -> Result<Connection, Error> {
-    let props = ConnectionProperties::default().with_connection_name(name.into());
     let host = url::Url::parse(url)
         .map(|u| {
             format!(
@@ -182,7 +182,7 @@ async fn connect_one(url: &str, name: &str) -> Result<Connection, Error> {
             )
         })
         .unwrap_or_default();
-    let connecting = Connection::connect(url, props);
+    let connecting = Connection::connect(url, name);
     let Ok(connected) = tokio::time::timeout(CONNECT_TIMEOUT, connecting).await else {
         return Err(Error::Connection(format!(
             "broker: cannot connect to {host}: no answer within {}s",
@@ -195,7 +195,7 @@ async fn connect_one(url: &str, name: &str) -> Result<Connection, Error> {
             crate::redact::error(&e.to_string(), url)
         ));
         // Refused or reset (a broker restarting) is worth another try; a refused login is not.
-        if crate::broker_connection_lost(&e) {
+        if e.is_connection_lost() {
             Error::Connection(format!("broker: {why}"))
         } else {
             Error::Broker(why)

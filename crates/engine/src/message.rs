@@ -2,8 +2,8 @@
 //!
 //! Pure functions of (properties, body); no I/O.
 
-use lapin::types::{AMQPValue, FieldTable};
-use lapin::BasicProperties;
+use crate::amqp::BasicProperties;
+use crate::amqp::{AMQPValue, FieldTable};
 use sha2::{Digest, Sha256};
 use std::borrow::Cow;
 
@@ -188,7 +188,7 @@ pub(crate) fn short_hex(prefix: &str, digest: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lapin::types::{FieldArray, LongString};
+    use crate::amqp::{FieldArray, LongString};
 
     #[test]
     fn short_hex_is_the_first_32_hex_digits_after_the_prefix() {

@@ -9,10 +9,8 @@
 use std::num::NonZeroU32;
 use std::sync::Arc;
 
+use crate::amqp::{Connection, FieldTable, QueueDeclare};
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
-use lapin::options::QueueDeclareOptions;
-use lapin::types::FieldTable;
-use lapin::Connection;
 use tokio_util::sync::CancellationToken;
 
 use crate::canary::{self, Tracker};
@@ -94,7 +92,7 @@ impl<'a> Pass<'a> {
         if let Some(done) = &state.final_status {
             let status: ReplayStatus = serde_json::from_str(done)
                 .map_err(|e| Error::Redis(format!("stored final status is unreadable: {e}")))?;
-            let _ = conn.close(200, "done".into()).await;
+            let _ = conn.close(200, "done").await;
             return Ok(Opened::Ended(status));
         }
         let mut status = initial_status(&state, store.keys().audit.clone());
@@ -111,7 +109,7 @@ impl<'a> Pass<'a> {
         let publisher = match opened.await {
             Ok(p) => p,
             Err(e) => {
-                let _ = conn.close(200, "done".into()).await;
+                let _ = conn.close(200, "done").await;
                 // The replay has begun: a lost connection from here on is worth another pass.
                 if e.is_transient() {
                     return Ok(Opened::Lost(status, e.to_string()));
@@ -148,7 +146,7 @@ impl<'a> Pass<'a> {
             }
             other => other,
         };
-        let _ = conn.close(200, "done".into()).await;
+        let _ = conn.close(200, "done").await;
         end
     }
 
@@ -345,13 +343,13 @@ async fn declare_quarantine(conn: &Connection, queue: &str) -> Result<(), Error>
         return Ok(());
     }
     let ch = conn.create_channel().await?;
-    ch.queue_declare(
-        queue.into(),
-        QueueDeclareOptions::durable(),
-        FieldTable::default(),
-    )
-    .await?;
-    let _ = ch.close(200, "ok".into()).await;
+    let durable = QueueDeclare {
+        durable: true,
+        ..Default::default()
+    };
+    ch.queue_declare(queue, durable, FieldTable::default())
+        .await?;
+    let _ = ch.close(200, "ok").await;
     Ok(())
 }
 

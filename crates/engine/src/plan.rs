@@ -239,7 +239,7 @@ pub async fn plan(replay: &Replay) -> Result<PlanReport, Error> {
         Ok(check) => report.redis = Some(check),
         Err(e) => report.redis_error = Some(e.to_string()),
     }
-    let _ = conn.close(200, "plan done".into()).await;
+    let _ = conn.close(200, "plan done").await;
     Ok(report)
 }
 

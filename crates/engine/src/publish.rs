@@ -2,16 +2,15 @@
 
 use std::collections::HashMap;
 
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
-use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{BasicProperties, Channel, Connection, ExchangeKind};
-use lapin::{Confirmation, PublisherConfirm};
+use crate::amqp::{
+    AMQPValue, AmqpError, BasicProperties, Channel, Confirm, Confirmation, Connection, FieldTable,
+    LongString,
+};
 
 use crate::classify::Destination;
 use crate::message::{
     IDEMPOTENCY_KEY, ORIGINAL_USER_ID, QUARANTINE_REASON, REPLAY_COUNT, REPLAY_ID,
 };
-use crate::source::is_not_found;
 use crate::Error;
 
 /// Headers a replay removes: the broker's record of earlier deaths.
@@ -125,7 +124,7 @@ fn assertable(props: BasicProperties, headers: &mut FieldTable, user: &str) -> B
 }
 
 /// The outcome of a confirmed publish: `Ok` when the broker took responsibility, else why not.
-pub fn outcome(res: Result<Confirmation, lapin::Error>) -> Result<(), String> {
+pub fn outcome(res: Result<Confirmation, AmqpError>) -> Result<(), String> {
     match res {
         Ok(Confirmation::Ack(None)) => Ok(()),
         Ok(Confirmation::Ack(Some(ret))) | Ok(Confirmation::Nack(Some(ret))) => Err(format!(
@@ -133,9 +132,8 @@ pub fn outcome(res: Result<Confirmation, lapin::Error>) -> Result<(), String> {
             ret.reply_code, ret.reply_text
         )),
         Ok(Confirmation::Nack(None)) => Err("Nacked: the broker refused the message".into()),
-        Ok(Confirmation::NotRequested) => Err("publisher confirms were not enabled".into()),
         // The broker closes the channel on a publish to a missing exchange (deleted mid-drain).
-        Err(e) if is_not_found(&e) => Err(format!(
+        Err(e) if e.is_not_found() => Err(format!(
             "NoExchange: the target exchange was deleted during the drain ({e})"
         )),
         Err(e) => Err(format!("PublishError: {e}")),
@@ -174,7 +172,7 @@ impl Publisher {
 
     /// Make sure the channel is usable (a publish to a vanished exchange closes it).
     pub async fn ensure_open(&mut self) -> Result<(), Error> {
-        if !self.channel.status().connected() {
+        if !self.channel.is_open() {
             self.channel = confirming_channel(&self.conn).await?;
             self.exchanges.clear();
         }
@@ -192,57 +190,44 @@ impl Publisher {
         // Passive declare on a throwaway channel: a missing exchange closes the channel it is
         // asked on, and that must not be the one carrying confirms.
         let ch = self.conn.create_channel().await?;
-        let res = ch
-            .exchange_declare(
-                name.into(),
-                ExchangeKind::Direct,
-                ExchangeDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await;
+        let res = ch.exchange_declare_passive(name).await;
         let exists = match res {
             Ok(()) => {
-                let _ = ch.close(200, "ok".into()).await;
+                let _ = ch.close(200, "ok").await;
                 true
             }
-            Err(e) if is_not_found(&e) => false,
+            Err(e) if e.is_not_found() => false,
             Err(e) => return Err(e.into()),
         };
         self.exchanges.insert(name.into(), exists);
         Ok(exists)
     }
 
-    /// Publish with `mandatory`; the returned future resolves to the broker's confirm.
-    pub async fn send(
+    /// Publish with `mandatory`; the returned future resolves to the broker's confirm. The
+    /// frames are queued at once: a step's publishes go out in one write.
+    pub fn send(
         &self,
         dest: &Destination,
         props: BasicProperties,
         body: &[u8],
-    ) -> Result<PublisherConfirm, lapin::Error> {
+    ) -> Result<Confirm, AmqpError> {
         // Destination names are at most 255 bytes: `classify::destination` guarantees it.
-        self.channel
-            .basic_publish(
-                ShortString::from(dest.exchange.as_str()),
-                ShortString::from(dest.routing_key.as_str()),
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..Default::default()
-                },
-                body,
-                props,
-            )
-            .await
+        confirmed(
+            self.channel
+                .basic_publish(&dest.exchange, &dest.routing_key, true, props, body),
+        )
     }
 }
 
-async fn confirming_channel(conn: &Connection) -> Result<Channel, Error> {
+/// The confirm of a publish on a confirming channel (which always has one).
+pub fn confirmed(sent: Result<Option<Confirm>, AmqpError>) -> Result<Confirm, AmqpError> {
+    sent?.ok_or_else(|| AmqpError::Protocol("publisher confirms were not enabled".into()))
+}
+
+/// A channel in confirm mode on `conn`.
+pub async fn confirming_channel(conn: &Connection) -> Result<Channel, Error> {
     let channel = conn.create_channel().await?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await?;
+    channel.confirm_select().await?;
     Ok(channel)
 }
 

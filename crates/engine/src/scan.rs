@@ -8,10 +8,8 @@
 
 use std::collections::{BTreeSet, VecDeque};
 
+use crate::amqp::{Channel, Connection, Delivery};
 use crate::store::Redis;
-use lapin::message::Delivery;
-use lapin::options::BasicAckOptions;
-use lapin::{Channel, Connection};
 
 use crate::keep::{self, Ledger, Moved, Mover};
 use crate::source;
@@ -149,7 +147,7 @@ impl Scan {
 
     /// Ack a message the caller took, once its outcome is durable.
     pub async fn ack(&self, tag: u64) -> Result<(), Error> {
-        self.ch.basic_ack(tag, BasicAckOptions::default()).await?;
+        self.ch.basic_ack(tag, false)?;
         Ok(())
     }
 
@@ -193,14 +191,11 @@ impl Scan {
             acks.push(tag);
             done.push(digest);
         }
-        // Queued together, written together (see keep::Mover::copy). One by one: a held
+        // Queued together, written together. One by one: a held
         // candidate (a canary) sits among them, so no `multiple` ack may cover them.
-        let ch = &self.ch;
-        futures::future::try_join_all(
-            acks.into_iter()
-                .map(|tag| ch.basic_ack(tag, BasicAckOptions::default())),
-        )
-        .await?;
+        for tag in acks {
+            self.ch.basic_ack(tag, false)?;
+        }
         // The counts come back only once the queue has applied the acks. At the traversal's end
         // a wait would take a message past the bound (handed back, it would count a delivery
         // and, on RabbitMQ 3.10, move to the back): the last flush acks only the last message,
@@ -239,7 +234,7 @@ impl Scan {
         for d in std::mem::take(&mut self.ahead) {
             source::hand_back(&self.ch, d).await?;
         }
-        let _ = self.ch.close(200, "traversal done".into()).await;
+        let _ = self.ch.close(200, "traversal done").await;
         Ok(())
     }
 }

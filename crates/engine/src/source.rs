@@ -14,14 +14,8 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
+use crate::amqp::{Channel, Connection, Consumer, Delivery, FieldTable, QueueDeclare};
 use futures::{FutureExt, StreamExt};
-use lapin::message::Delivery;
-use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions,
-    BasicQosOptions, QueueDeclareOptions,
-};
-use lapin::types::FieldTable;
-use lapin::{Channel, Connection, Consumer};
 
 use crate::Error;
 
@@ -29,19 +23,19 @@ use crate::Error;
 pub async fn queue_state(conn: &Connection, queue: &str) -> Result<Option<(u32, u32)>, Error> {
     // A passive declare of a missing queue closes its channel, so it gets a channel of its own.
     let ch = conn.create_channel().await?;
+    let passive = QueueDeclare {
+        passive: true,
+        ..Default::default()
+    };
     let res = ch
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions::default().passive(),
-            FieldTable::default(),
-        )
+        .queue_declare(queue, passive, FieldTable::default())
         .await;
     match res {
-        Ok(q) => {
-            let _ = ch.close(200, "ok".into()).await;
-            Ok(Some((q.message_count(), q.consumer_count())))
+        Ok((_, messages, consumers)) => {
+            let _ = ch.close(200, "ok").await;
+            Ok(Some((messages, consumers)))
         }
-        Err(e) if is_not_found(&e) => Ok(None),
+        Err(e) if e.is_not_found() => Ok(None),
         Err(e) => Err(e.into()),
     }
 }
@@ -58,29 +52,14 @@ pub async fn queue_state(conn: &Connection, queue: &str) -> Result<Option<(u32, 
 /// the traversal's bound, hands it back with [`hand_back`] (one delivery on one message beyond
 /// the pass, which the next traversal moves and so resets).
 pub async fn get_one(ch: &Channel, queue: &str) -> Result<Option<Delivery>, Error> {
-    let got = ch
-        .basic_get(queue.into(), BasicGetOptions { no_ack: false })
-        .await?;
-    Ok(got.map(|m| m.delivery))
+    Ok(ch.basic_get(queue, false).await?)
 }
 
 /// Give a message back to its queue, in its place (a requeue), e.g. the one [`get_one`] took past
 /// a traversal's bound.
 pub async fn hand_back(ch: &Channel, d: Delivery) -> Result<(), Error> {
-    ch.basic_nack(
-        d.delivery_tag,
-        BasicNackOptions {
-            multiple: false,
-            requeue: true,
-        },
-    )
-    .await?;
+    ch.basic_nack(d.delivery_tag, true)?;
     Ok(())
-}
-
-/// True when the broker answered 404 NOT_FOUND.
-pub fn is_not_found(e: &lapin::Error) -> bool {
-    e.to_string().contains("NOT_FOUND")
 }
 
 const CONSUMER_TAG: &str = "dlq-replay";
@@ -132,19 +111,8 @@ impl Source {
         };
         if prefetch > 0 {
             // Per consumer (global: false): the only kind quorum queues accept.
-            src.channel
-                .basic_qos(prefetch as u16, BasicQosOptions { global: false })
-                .await?;
-            src.consumer = Some(
-                src.channel
-                    .basic_consume(
-                        queue.into(),
-                        CONSUMER_TAG.into(),
-                        BasicConsumeOptions::default(),
-                        FieldTable::default(),
-                    )
-                    .await?,
-            );
+            src.channel.basic_qos(prefetch as u16).await?;
+            src.consumer = Some(src.channel.basic_consume(queue, CONSUMER_TAG).await?);
         }
         Ok(src)
     }
@@ -254,9 +222,7 @@ impl Source {
         let floor = self.held.first().copied().unwrap_or(u64::MAX);
         let (below, above): (Vec<u64>, Vec<u64>) = tags.iter().partition(|&&t| t < floor);
         if let Some(last) = below.iter().max() {
-            self.channel
-                .basic_ack(*last, BasicAckOptions { multiple: true })
-                .await?;
+            self.channel.basic_ack(*last, true)?;
         }
         self.ack_each(&above).await?;
         self.acked += tags.len() as u64;
@@ -281,12 +247,9 @@ impl Source {
 
     /// One frame each, queued together and written together.
     async fn ack_each(&self, tags: &[u64]) -> Result<(), Error> {
-        let ch = &self.channel;
-        futures::future::try_join_all(
-            tags.iter()
-                .map(|tag| ch.basic_ack(*tag, BasicAckOptions::default())),
-        )
-        .await?;
+        for tag in tags {
+            self.channel.basic_ack(*tag, false)?;
+        }
         Ok(())
     }
 
@@ -304,9 +267,7 @@ impl Source {
     async fn cancel(&mut self) -> Result<(), Error> {
         if !self.cancelled {
             self.cancelled = true;
-            self.channel
-                .basic_cancel(CONSUMER_TAG.into(), BasicCancelOptions::default())
-                .await?;
+            self.channel.basic_cancel(CONSUMER_TAG).await?;
         }
         Ok(())
     }
@@ -326,9 +287,7 @@ impl Source {
     /// Close the channel: every message still unacked (an unknown outcome) goes back to the
     /// queue.
     pub async fn close(self) -> Result<(), Error> {
-        self.channel
-            .close(200, "replay pass finished".into())
-            .await?;
+        self.channel.close(200, "replay pass finished").await?;
         Ok(())
     }
 }

@@ -14,11 +14,8 @@
 
 use std::collections::BTreeSet;
 
+use crate::amqp::{Channel, Connection, Delivery, FieldTable, QueueDeclare};
 use crate::store::Redis;
-use lapin::message::Delivery;
-use lapin::options::{BasicGetOptions, QueueBindOptions, QueueDeclareOptions};
-use lapin::types::FieldTable;
-use lapin::{Channel, Connection};
 use serde::{Deserialize, Serialize};
 
 use crate::message::{self, REPLAY_ID};
@@ -142,18 +139,14 @@ pub struct Returns {
 /// A server-named, exclusive queue: gone with the connection, whatever ends the replay.
 async fn declare(conn: &Connection) -> Result<(Channel, String), Error> {
     let channel = conn.create_channel().await?;
-    let q = channel
-        .queue_declare(
-            "".into(),
-            QueueDeclareOptions {
-                exclusive: true,
-                auto_delete: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
+    let opts = QueueDeclare {
+        exclusive: true,
+        auto_delete: true,
+        ..Default::default()
+    };
+    let (name, _, _) = channel
+        .queue_declare("", opts, FieldTable::default())
         .await?;
-    let name = q.name().as_str().to_string();
     Ok((channel, name))
 }
 
@@ -183,19 +176,13 @@ impl Returns {
         while let Some(r) = todo.pop() {
             let bound = self
                 .channel
-                .queue_bind(
-                    self.queue.as_str().into(),
-                    r.exchange.as_str().into(),
-                    r.routing_key.as_str().into(),
-                    QueueBindOptions::default(),
-                    FieldTable::default(),
-                )
+                .queue_bind(&self.queue, &r.exchange, &r.routing_key)
                 .await;
             match bound {
                 Ok(()) => {
                     self.bound.insert(r);
                 }
-                Err(e) if crate::source::is_not_found(&e) => {
+                Err(e) if e.is_not_found() => {
                     tracing::warn!(exchange = %r.exchange, error = %e, "cannot watch a dead-letter route");
                     self.refused.insert(r);
                     let (channel, queue) = declare(conn).await?;
@@ -216,12 +203,8 @@ impl Returns {
     /// Every new dead letter since the last poll that is one of `replay_id`'s, coming back.
     pub async fn poll(&self, replay_id: &str, sig_header: &str) -> Result<Vec<Returned>, Error> {
         let mut out = Vec::new();
-        while let Some(m) = self
-            .channel
-            .basic_get(self.queue.as_str().into(), BasicGetOptions { no_ack: true })
-            .await?
-        {
-            if let Some(r) = returned(&m.delivery, replay_id, sig_header) {
+        while let Some(m) = self.channel.basic_get(&self.queue, true).await? {
+            if let Some(r) = returned(&m, replay_id, sig_header) {
                 out.push(r);
             }
         }
@@ -230,6 +213,6 @@ impl Returns {
 
     /// Drop the watch queue.
     pub async fn close(self) {
-        let _ = self.channel.close(200, "watch done".into()).await;
+        let _ = self.channel.close(200, "watch done").await;
     }
 }

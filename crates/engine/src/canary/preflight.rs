@@ -1,8 +1,8 @@
 //! The ground a canary lands on, checked before it goes: its target queue exists, has a
 //! consumer, and a small backlog.
 
-use lapin::message::Delivery;
-use lapin::Connection;
+use crate::amqp::Connection;
+use crate::amqp::Delivery;
 
 use crate::classify;
 use crate::source;

@@ -3,8 +3,8 @@
 //! message to the tail (never hands one back), when a canary's wait ends. It costs a pass over
 //! those queues per wait; a known route costs nothing of the kind ([`crate::watch::Returns`]).
 
+use crate::amqp::Connection;
 use crate::store::Redis;
-use lapin::Connection;
 
 use crate::scan::Scan;
 use crate::spec::DlqReplaySpec;

@@ -2,7 +2,7 @@
 //! for a canary, a canary itself, a leftover copy of an earlier move), before the gate asks
 //! Redis about it.
 
-use lapin::message::Delivery;
+use crate::amqp::Delivery;
 
 use super::{Act, Aside, Drain, Item};
 use crate::canary::Gate;

@@ -36,9 +36,9 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::amqp::Delivery;
+use crate::amqp::{Confirm, Connection};
 use governor::DefaultDirectRateLimiter;
-use lapin::message::Delivery;
-use lapin::{Connection, PublisherConfirm};
 use tokio_util::sync::CancellationToken;
 
 use super::classify::Destination;
@@ -155,7 +155,7 @@ type PendingMove =
 /// A step between its send and its landing: the items, and the confirms of what it published.
 struct Flight {
     items: Vec<Item>,
-    confirms: Vec<(usize, PublisherConfirm)>,
+    confirms: Vec<(usize, Confirm)>,
     sent: std::time::Instant,
 }
 
@@ -471,6 +471,6 @@ impl<'a> Drain<'a> {
     /// Whether both of the pass's broker connections are still up (an error on a channel can be
     /// the echo of a connection that went away).
     pub(super) fn connected(&self, src_conn: &Connection) -> bool {
-        src_conn.status().connected() && self.publisher.connection().status().connected()
+        src_conn.is_open() && self.publisher.connection().is_open()
     }
 }

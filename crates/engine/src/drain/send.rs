@@ -1,7 +1,7 @@
 //! The publish stage: a step's quarantines and replays go out without waiting (`send`); its
 //! confirms are awaited when the step lands (`resolve`), so the next steps publish meanwhile.
 
-use lapin::{BasicProperties, PublisherConfirm};
+use crate::amqp::{BasicProperties, Confirm};
 
 use super::{Act, Drain, Item};
 use crate::classify::Destination;
@@ -15,7 +15,7 @@ impl Drain<'_> {
     pub(super) async fn send(
         &mut self,
         items: &mut [Item],
-    ) -> Result<Vec<(usize, PublisherConfirm)>, Error> {
+    ) -> Result<Vec<(usize, Confirm)>, Error> {
         self.publisher.ensure_open().await?;
         let mut out = Vec::new();
         let mut ready = Vec::new();
@@ -27,23 +27,15 @@ impl Drain<'_> {
                 ready.push((i, dest, props));
                 continue;
             }
-            match self.publisher.send(&dest, props, &item.delivery.data).await {
+            match self.publisher.send(&dest, props, &item.delivery.data) {
                 Ok(confirm) => out.push((i, confirm)),
                 // Refused before it left (e.g. the channel is closed): it was not sent.
                 Err(e) => item.act = Act::Failed(format!("NotSent: {e}")),
             }
         }
-        // Each publish is queued, in order, when first polled; the futures then wait together
-        // for the connection to write them.
-        let publisher = &self.publisher;
-        let idx: Vec<usize> = ready.iter().map(|(i, _, _)| *i).collect();
-        let sends = ready.into_iter().map(|(i, dest, props)| {
-            let body = &items[i].delivery.data;
-            async move { publisher.send(&dest, props, body).await }
-        });
-        let results = futures::future::join_all(sends).await;
-        for (i, res) in idx.into_iter().zip(results) {
-            match res {
+        // Each publish is queued in order; the writer sends the step's together.
+        for (i, dest, props) in ready {
+            match self.publisher.send(&dest, props, &items[i].delivery.data) {
                 Ok(confirm) => out.push((i, confirm)),
                 Err(e) => items[i].act = Act::Failed(format!("NotSent: {e}")),
             }
@@ -108,7 +100,7 @@ impl Drain<'_> {
     pub(super) async fn resolve(
         &mut self,
         items: &mut [Item],
-        confirms: Vec<(usize, PublisherConfirm)>,
+        confirms: Vec<(usize, Confirm)>,
         sent: std::time::Instant,
     ) {
         let (idx, confirms): (Vec<usize>, Vec<_>) = confirms.into_iter().unzip();

@@ -355,7 +355,7 @@ impl Drain<'_> {
         if unknown > 0 {
             // What was confirmed is recorded and acked; the unconfirmed wait for the next pass,
             // which finds their claims (or publishes them again in Check mode) like a rerun.
-            let closed = if self.publisher.connection().status().connected() {
+            let closed = if self.publisher.connection().is_open() {
                 "the publishing channel closed"
             } else {
                 "connection lost"

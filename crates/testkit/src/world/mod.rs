@@ -87,7 +87,7 @@ impl World {
             t.code(),
             &uuid::Uuid::new_v4().simple().to_string()[..8]
         );
-        let conn = engine::connect_amqp(&t.broker.amqp, &tag)
+        let conn = crate::fixture::connect(&t.broker.amqp, &tag)
             .await
             .unwrap_or_else(|e| panic!("{}: {e}", t.broker));
         let ch = conn.create_channel().await.expect("channel");
@@ -148,7 +148,7 @@ impl World {
 
     /// A new connection and channel, after the broker went away and came back.
     pub async fn reopen(&mut self) {
-        self.conn = engine::connect_amqp(self.amqp_url(), &self.tag)
+        self.conn = crate::fixture::connect(self.amqp_url(), &self.tag)
             .await
             .expect("broker");
         self.ch = self.conn.create_channel().await.expect("channel");
