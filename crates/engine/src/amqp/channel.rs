@@ -11,7 +11,7 @@ use amq_protocol::protocol::{
 use amq_protocol::types::{FieldTable, ShortString};
 use tokio::sync::mpsc;
 
-use super::conn::{route_hash, Inner, Reply};
+use super::conn::{route_hash, Inner, Reply, CLOSE_WAIT};
 use super::wire;
 use super::{AmqpError, Confirm, Delivery};
 
@@ -257,30 +257,26 @@ impl Channel {
         properties: BasicProperties,
         body: &[u8],
     ) -> Result<Option<Confirm>, AmqpError> {
-        let mut out = Vec::with_capacity(body.len() + 256);
-        wire::method(
-            &mut out,
-            self.id,
-            AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
-                exchange: exchange.into(),
-                routing_key: routing_key.into(),
-                mandatory,
-                immediate: false,
-            })),
-        )?;
-        wire::content(
-            &mut out,
-            self.id,
-            properties,
-            body,
-            self.conn.shared.frame_max,
-        )?;
         let route = if mandatory {
             route_hash(exchange, routing_key)
         } else {
             0
         };
-        let rx = self.conn.shared.publish(self.id, out, route, body.len())?;
+        let (id, frame_max) = (self.id, self.conn.shared.frame_max);
+        let publish = AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+            exchange: exchange.into(),
+            routing_key: routing_key.into(),
+            mandatory,
+            immediate: false,
+        }));
+        let encode = |out: &mut Vec<u8>| {
+            wire::method(out, id, publish)?;
+            wire::content(out, id, properties, body, frame_max)
+        };
+        let rx = self
+            .conn
+            .shared
+            .publish(self.id, encode, route, body.len())?;
         Ok(rx.map(Confirm))
     }
 
@@ -289,17 +285,22 @@ impl Channel {
         if !self.is_open() {
             return Ok(());
         }
-        let res = self
-            .call_method(AMQPClass::Channel(channel::AMQPMethod::Close(
-                channel::Close {
-                    reply_code: code,
-                    reply_text: text.into(),
-                    class_id: 0,
-                    method_id: 0,
-                },
-            )))
-            .await;
-        res.map(|_| ())
+        let close = self.call_method(AMQPClass::Channel(channel::AMQPMethod::Close(
+            channel::Close {
+                reply_code: code,
+                reply_text: text.into(),
+                class_id: 0,
+                method_id: 0,
+            },
+        )));
+        match tokio::time::timeout(CLOSE_WAIT, close).await {
+            Ok(res) => res.map(|_| ()),
+            Err(_) => Err(AmqpError::Closed(format!(
+                "no close-ok for channel {} within {}s",
+                self.id,
+                CLOSE_WAIT.as_secs()
+            ))),
+        }
     }
 }
 

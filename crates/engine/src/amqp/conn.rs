@@ -24,6 +24,9 @@ pub struct Connection {
     pub(crate) inner: Arc<Inner>,
 }
 
+/// How long a close waits for the broker's close-ok.
+pub(crate) const CLOSE_WAIT: Duration = Duration::from_secs(5);
+
 /// What the connection's users share; dropping the last one stops the tasks.
 pub(crate) struct Inner {
     pub(crate) shared: Arc<Shared>,
@@ -39,7 +42,8 @@ impl Drop for Inner {
 /// The state the reader task and the callers share.
 pub(crate) struct Shared {
     pub(super) state: Mutex<State>,
-    pub(super) out: mpsc::UnboundedSender<Vec<u8>>,
+    /// Bytes were queued in [`State::out`] for the writer.
+    pub(super) wake: tokio::sync::Notify,
     /// Cancelled when the reader ends: the writer sends what is queued and closes the socket.
     pub(super) stop: tokio_util::sync::CancellationToken,
     pub(crate) frame_max: usize,
@@ -53,6 +57,9 @@ pub(crate) struct State {
     pub(super) closed: Option<AmqpError>,
     /// The broker said `connection.blocked` (a resource alarm) and not `unblocked` since.
     pub(super) blocked: Option<String>,
+    /// Frames queued for the writer, in the order they were queued (the lock orders them): a
+    /// step's publishes leave in one write, and nothing is allocated per frame.
+    pub(super) out: Vec<u8>,
 }
 
 /// A channel's side of the shared state.
@@ -127,16 +134,15 @@ impl Connection {
         let (mut r, mut w) = futures::io::AsyncReadExt::split(stream);
         let mut rb = ReadBuf::new();
         let tune = handshake(&uri, name, &mut r, &mut w, &mut rb).await?;
-        let (tx, rx) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
-            out: tx,
+            wake: tokio::sync::Notify::new(),
             stop: tokio_util::sync::CancellationToken::new(),
             frame_max: tune.frame_max as usize,
             channel_max: tune.channel_max,
         });
         let beat = Duration::from_secs(u64::from(tune.heartbeat));
-        tokio::spawn(write_loop(w, rx, beat, shared.clone()));
+        tokio::spawn(write_loop(w, beat, shared.clone()));
         tokio::spawn(read_loop(r, rb, beat, shared.clone()));
         Ok(Self {
             inner: Arc::new(Inner { shared }),
@@ -175,7 +181,9 @@ impl Connection {
             st.channels.entry(0).or_default().rpc.push_back(tx);
         }
         self.inner.shared.close_frame(code, text)?;
-        let _ = rx.await;
+        // A broker that vanished without a reset would otherwise keep us until the heartbeat
+        // gives up; the socket is closed either way.
+        let _ = tokio::time::timeout(CLOSE_WAIT, rx).await;
         Ok(())
     }
 }
@@ -198,12 +206,15 @@ impl Shared {
                 method_id: 0,
             })),
         )?;
-        self.send(out)
+        let mut st = self.lock();
+        self.queue(&mut st, &out);
+        Ok(())
     }
 
-    /// Queue bytes for the writer.
-    pub(crate) fn send(&self, bytes: Vec<u8>) -> Result<(), AmqpError> {
-        self.out.send(bytes).map_err(|_| AmqpError::closed())
+    /// Queue bytes for the writer (the caller holds the lock).
+    pub(super) fn queue(&self, st: &mut State, bytes: &[u8]) {
+        st.out.extend_from_slice(bytes);
+        self.wake.notify_one();
     }
 
     fn open_channel(&self) -> Result<u16, AmqpError> {
@@ -234,7 +245,7 @@ impl Shared {
         let mut st = self.lock();
         let chan = st.usable(channel)?;
         chan.rpc.push_back(tx);
-        self.send(bytes)?;
+        self.queue(&mut st, &bytes);
         Ok(rx)
     }
 
@@ -242,7 +253,8 @@ impl Shared {
     pub(crate) fn send_on(&self, channel: u16, bytes: Vec<u8>) -> Result<(), AmqpError> {
         let mut st = self.lock();
         st.usable(channel)?;
-        self.send(bytes)
+        self.queue(&mut st, &bytes);
+        Ok(())
     }
 
     /// Register a consumer's queue before its `basic.consume` goes out: deliveries may follow
@@ -259,19 +271,27 @@ impl Shared {
         let chan = st.usable(channel)?;
         chan.consumer = Some((tag, dtx));
         chan.rpc.push_back(tx);
-        self.send(bytes)?;
+        self.queue(&mut st, &bytes);
         Ok((rx, drx))
     }
 
-    /// Number and queue a publish on a channel (in confirm mode: with its confirm).
+    /// Number and queue a publish on a channel (in confirm mode: with its confirm); `encode`
+    /// appends its frames to the writer's queue.
     pub(crate) fn publish(
         &self,
         channel: u16,
-        bytes: Vec<u8>,
+        encode: impl FnOnce(&mut Vec<u8>) -> Result<(), AmqpError>,
         route: u64,
         body_len: usize,
     ) -> Result<Option<oneshot::Receiver<Result<Confirmation, AmqpError>>>, AmqpError> {
         let mut st = self.lock();
+        st.usable(channel)?;
+        let mark = st.out.len();
+        if let Err(e) = encode(&mut st.out) {
+            st.out.truncate(mark);
+            return Err(e);
+        }
+        self.wake.notify_one();
         let chan = st.usable(channel)?;
         let rx = chan.confirms.as_mut().map(|c| {
             let (tx, rx) = oneshot::channel();
@@ -285,7 +305,6 @@ impl Shared {
             });
             rx
         });
-        self.send(bytes)?;
         Ok(rx)
     }
 

@@ -8,7 +8,6 @@ use std::time::Duration;
 use amq_protocol::frame::AMQPFrame;
 use amq_protocol::protocol::{basic, channel, connection, AMQPClass, BasicProperties};
 use futures::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
-use tokio::sync::mpsc;
 
 use super::conn::{Chan, Incoming, Kind, Reply, Shared, State};
 use super::handshake::unexpected;
@@ -19,7 +18,6 @@ use super::{AmqpError, Delivery};
 /// sent for half the interval.
 pub(super) async fn write_loop<W: AsyncWrite + Unpin>(
     mut w: W,
-    mut rx: mpsc::UnboundedReceiver<Vec<u8>>,
     beat: Duration,
     shared: Arc<Shared>,
 ) {
@@ -28,29 +26,33 @@ pub(super) async fn write_loop<W: AsyncWrite + Unpin>(
     } else {
         beat / 2
     };
+    // Swapped with the queue: both keep their capacity, so nothing is allocated per write.
     let mut buf: Vec<u8> = Vec::new();
     loop {
-        let first = tokio::select! {
+        let stop = tokio::select! {
             biased;
-            got = rx.recv() => got,
-            _ = shared.stop.cancelled() => None,
-            _ = tokio::time::sleep(idle) => Some(wire::heartbeat().to_vec()),
+            _ = shared.wake.notified() => false,
+            _ = shared.stop.cancelled() => true,
+            _ = tokio::time::sleep(idle) => {
+                shared.lock().out.extend_from_slice(&wire::heartbeat());
+                false
+            }
         };
-        let Some(first) = first else {
-            break;
-        };
-        buf.clear();
-        buf.extend_from_slice(&first);
-        while let Ok(more) = rx.try_recv() {
-            buf.extend_from_slice(&more);
+        std::mem::swap(&mut shared.lock().out, &mut buf);
+        if !buf.is_empty() {
+            let res = async {
+                w.write_all(&buf).await?;
+                w.flush().await
+            }
+            .await;
+            buf.clear();
+            if let Err(e) = res {
+                shared.lock().fail_all(AmqpError::from(e));
+                shared.stop.cancel();
+                break;
+            }
         }
-        let res = async {
-            w.write_all(&buf).await?;
-            w.flush().await
-        }
-        .await;
-        if let Err(e) = res {
-            shared.lock().fail_all(AmqpError::from(e));
+        if stop {
             break;
         }
     }
@@ -118,9 +120,13 @@ fn route(shared: &Shared, frame: AMQPFrame) -> Option<AmqpError> {
             }
             let mut out = Vec::new();
             let ok = AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {}));
-            wire::method(&mut out, ch, ok)
-                .and_then(|_| shared.send(out))
-                .err()
+            match wire::method(&mut out, ch, ok) {
+                Ok(()) => {
+                    shared.queue(&mut st, &out);
+                    None
+                }
+                Err(e) => Some(e),
+            }
         }
         AMQPFrame::Method(ch, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_))) => {
             if let Some(mut chan) = st.channels.remove(&ch) {
@@ -172,7 +178,7 @@ fn connection_method(
             let mut out = Vec::new();
             let ok = AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {}));
             if wire::method(&mut out, 0, ok).is_ok() {
-                let _ = shared.send(out);
+                shared.queue(st, &out);
             }
             Some(AmqpError::ConnectionClosed {
                 code: c.reply_code,
