@@ -45,6 +45,17 @@ pub struct Destination {
     pub routing_key: String,
 }
 
+impl Destination {
+    /// `exchange/routing_key`, as audit rows name it.
+    pub fn label(&self) -> String {
+        let mut s = String::with_capacity(self.exchange.len() + 1 + self.routing_key.len());
+        s.push_str(&self.exchange);
+        s.push('/');
+        s.push_str(&self.routing_key);
+        s
+    }
+}
+
 /// The rules of one replay, borrowed from its spec.
 #[derive(Debug, Clone, Copy)]
 pub struct Rules<'a> {
@@ -131,7 +142,7 @@ fn unselected(
     json: Option<&Value>,
 ) -> Option<String> {
     if !sel.death_reasons.is_empty() {
-        let reason = last.map(|d| d.reason.as_str()).unwrap_or("");
+        let reason = last.map(|d| d.reason.as_ref()).unwrap_or("");
         if !sel.death_reasons.iter().any(|r| r == reason) {
             return Some(format!(
                 "death reason {reason:?} not in selector.deathReasons"
@@ -139,7 +150,7 @@ fn unselected(
         }
     }
     if !sel.original_queues.is_empty() {
-        let queue = last.map(|d| d.queue.as_str()).unwrap_or("");
+        let queue = last.map(|d| d.queue.as_ref()).unwrap_or("");
         if !sel.original_queues.iter().any(|q| q == queue) {
             return Some(format!("queue {queue:?} not in selector.originalQueues"));
         }
@@ -237,11 +248,11 @@ pub fn destination(target: &crate::spec::TargetSpec, last: Option<&Death>) -> Op
     let exchange = target
         .exchange
         .clone()
-        .or_else(|| last.map(|d| d.exchange.clone()))?;
-    let routing_key = target
-        .routing_key
-        .clone()
-        .or_else(|| last.and_then(|d| d.routing_keys.first().cloned()))?;
+        .or_else(|| last.map(|d| d.exchange.to_string()))?;
+    let routing_key = target.routing_key.clone().or_else(|| {
+        last.and_then(|d| d.routing_keys.first())
+            .map(|k| k.to_string())
+    })?;
     // AMQP short strings: a longer name cannot be published to, whatever a header claims.
     (exchange.len() <= 255 && routing_key.len() <= 255).then_some(Destination {
         exchange,
@@ -260,7 +271,13 @@ pub fn signature(signature_header: &str, props: &BasicProperties) -> String {
         message::first_death_str(props, "reason"),
         message::first_death_str(props, "queue"),
     ) {
-        (Some(reason), Some(queue)) => format!("{reason}@{queue}"),
+        (Some(reason), Some(queue)) => {
+            let mut s = String::with_capacity(reason.len() + 1 + queue.len());
+            s.push_str(&reason);
+            s.push('@');
+            s.push_str(&queue);
+            s
+        }
         _ => "no-death".into(),
     }
 }
@@ -282,7 +299,10 @@ fn shortened(v: &str) -> Cow<'_, str> {
 
 /// The queue a default-target message will land in: the queue of its most recent death.
 pub fn original_queue(props: &BasicProperties) -> Option<String> {
-    message::deaths(props).into_iter().next().map(|d| d.queue)
+    message::deaths(props)
+        .into_iter()
+        .next()
+        .map(|d| d.queue.into_owned())
 }
 
 #[cfg(test)]

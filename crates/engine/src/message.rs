@@ -18,19 +18,20 @@ pub const QUARANTINE_REASON: &str = "x-quarantine-reason";
 /// Header keeping a `user-id` property that the replay's connection could not assert.
 pub const ORIGINAL_USER_ID: &str = "x-original-user-id";
 
-/// One entry of the `x-death` header.
+/// One entry of the `x-death` header, read in place (every message's deaths are read: text
+/// fields borrow from the header where they are UTF-8 already).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Death {
+pub struct Death<'a> {
     /// The queue the message died in.
-    pub queue: String,
+    pub queue: Cow<'a, str>,
     /// `rejected`, `expired`, `maxlen` or `delivery_limit`.
-    pub reason: String,
+    pub reason: Cow<'a, str>,
     /// How many times it died this way in this queue.
     pub count: u64,
     /// The exchange it had been published to.
-    pub exchange: String,
+    pub exchange: Cow<'a, str>,
     /// The routing keys it had been published with.
-    pub routing_keys: Vec<String>,
+    pub routing_keys: Vec<Cow<'a, str>>,
 }
 
 /// The headers of a message, or an empty table.
@@ -104,14 +105,14 @@ pub fn value_int(v: &AMQPValue) -> Option<i128> {
 
 /// The `x-death` entries, most recent first (as RabbitMQ orders them). Malformed entries are
 /// skipped rather than failing the message: a death we cannot read is a death we do not count.
-pub fn deaths(props: &BasicProperties) -> Vec<Death> {
+pub fn deaths(props: &BasicProperties) -> Vec<Death<'_>> {
     death_tables(props).map(death).collect()
 }
 
-fn death(t: &FieldTable) -> Death {
-    let text = |k: &str| t.inner().get(k).and_then(value_text).unwrap_or_default();
+fn death(t: &FieldTable) -> Death<'_> {
+    let text = |k: &str| t.inner().get(k).and_then(value_str).unwrap_or_default();
     let routing_keys = match t.inner().get("routing-keys") {
-        Some(AMQPValue::FieldArray(a)) => a.as_slice().iter().filter_map(value_text).collect(),
+        Some(AMQPValue::FieldArray(a)) => a.as_slice().iter().filter_map(value_str).collect(),
         _ => Vec::new(),
     };
     Death {
@@ -218,7 +219,7 @@ mod tests {
         let p = with_death(AMQPValue::LongLongInt(3));
         let d = deaths(&p);
         assert_eq!(d[0].queue, "work");
-        assert_eq!(d[0].routing_keys, vec!["job.run".to_string()]);
+        assert_eq!(d[0].routing_keys, vec!["job.run"]);
         assert_eq!(death_count(&p), 5);
     }
 
@@ -228,11 +229,11 @@ mod tests {
         let first = deaths(&p).into_iter().next().expect("a death");
         assert_eq!(
             first_death_str(&p, "queue").as_deref(),
-            Some(first.queue.as_str())
+            Some(first.queue.as_ref())
         );
         assert_eq!(
             first_death_str(&p, "reason").as_deref(),
-            Some(first.reason.as_str())
+            Some(first.reason.as_ref())
         );
         let none = BasicProperties::default();
         assert_eq!(first_death_str(&none, "queue"), None);

@@ -42,7 +42,7 @@ impl Ask {
         let key_fields: Vec<Option<String>> = self
             .0
             .iter()
-            .map(|&i| items[i].key.as_ref().map(|k| format!("key:{k}")))
+            .map(|&i| items[i].key.as_deref().map(store::key_field))
             .collect();
         let fields: Vec<(&str, Option<&str>)> = self
             .0

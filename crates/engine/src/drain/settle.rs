@@ -208,11 +208,7 @@ impl Drain<'_> {
                             claims.push(self.claim_end(k, true));
                         }
                     }
-                    (
-                        Decision::Replayed,
-                        String::new(),
-                        format!("{}/{}", d.exchange, d.routing_key),
-                    )
+                    (Decision::Replayed, String::new(), d.label())
                 }
                 Act::Quarantined(r) => {
                     delta.quarantined += 1;
@@ -266,7 +262,7 @@ impl Drain<'_> {
                 }
                 if decision == Decision::Replayed {
                     if let Some(k) = &item.key {
-                        settled.push((format!("key:{k}"), item.identity.clone()));
+                        settled.push((store::key_field(k), item.identity.clone()));
                     }
                 }
                 acks.push(item.delivery.delivery_tag);

@@ -470,7 +470,7 @@ mod tests {
         let marks = |k: &str| {
             vec![
                 (format!("fp-{k}"), "replayed".to_string()),
-                (format!("key:{k}"), "replayed".to_string()),
+                (crate::store::key_field(k), "replayed".to_string()),
             ]
         };
         let first = s.commit(&[row("a")], &marks("k1"), &[], &d(3, 0)).await;

@@ -4,6 +4,15 @@
 use redis::Value;
 
 use super::{ClaimEnd, Retries, Store};
+
+/// The settled-marks field that says an idempotency key was published by this replay (its value:
+/// the identity of the message that published it).
+pub fn key_field(key: &str) -> String {
+    let mut f = String::with_capacity(4 + key.len());
+    f.push_str("key:");
+    f.push_str(key);
+    f
+}
 use crate::Error;
 
 /// What the store knows about one key (or message) of a batch.
@@ -67,7 +76,7 @@ impl Store {
         let mut hm = redis::cmd("HMGET");
         hm.arg(&self.keys.settled);
         for key in &keys {
-            hm.arg(format!("key:{key}"));
+            hm.arg(key_field(key));
         }
         let marks: Vec<Option<String>> = hm.query_async(&mut self.con).await?;
         let unpublished: Vec<ClaimEnd> = keys
@@ -193,7 +202,7 @@ mod tests {
         p.cmd("SET").arg(&theirs).arg("other/1").ignore();
         p.cmd("HSET")
             .arg(&s.keys().settled)
-            .arg(format!("key:{published}"))
+            .arg(super::key_field(&published))
             .arg("m")
             .ignore();
         p.query_async::<()>(&mut s.con).await.expect("setup");

@@ -30,7 +30,7 @@ pub use audit::{read_audit, rows_of_log, AuditRow, Decision};
 pub use commit::ClaimEnd;
 pub use conn::{connect, Layout, Redis};
 pub use held::{claim_value, confirmed_claim, Held};
-pub use lookup::Lookup;
+pub use lookup::{key_field, Lookup};
 pub use retain::{reopen, retain, retention};
 use retry::Retries;
 pub use room::{expected_bytes, human_bytes, Room};
