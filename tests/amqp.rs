@@ -202,3 +202,23 @@ async fn login_errors_are_not_lost_connections() {
         .expect("refused");
     assert!(e.is_connection_lost(), "{e}");
 }
+
+/// A channel handle that outlives its close does not touch the channel opened after it: ids are
+/// not reused while others are free.
+#[tokio::test]
+async fn a_closed_channels_handle_leaves_the_next_channel_alone() {
+    let w = World::new("amqp-ids").await;
+    let conn = connect(&w).await;
+    let old = conn.create_channel().await.unwrap();
+    old.close(200, "done").await.unwrap();
+    let new = conn.create_channel().await.unwrap();
+    new.confirm_select().await.unwrap();
+    drop(old);
+    let c = new
+        .basic_publish("", &w.topo.dlq, true, props(0), b"x")
+        .unwrap()
+        .unwrap();
+    assert_eq!(c.await.unwrap(), Confirmation::Ack(None));
+    assert!(new.is_open());
+    w.cleanup().await;
+}

@@ -57,6 +57,8 @@ pub(crate) struct State {
     pub(super) closed: Option<AmqpError>,
     /// The broker said `connection.blocked` (a resource alarm) and not `unblocked` since.
     pub(super) blocked: Option<String>,
+    /// The channel id handed out last.
+    pub(super) last_channel: u16,
     /// Frames queued for the writer, in the order they were queued (the lock orders them): a
     /// step's publishes leave in one write, and nothing is allocated per frame.
     pub(super) out: Vec<u8>,
@@ -227,9 +229,14 @@ impl Shared {
         } else {
             self.channel_max
         };
+        // Ids are handed out in turn, not lowest-free first: a handle to a channel that closed
+        // (and is forgotten when dropped) must not name a new channel on the same id meanwhile.
+        let start = st.last_channel;
         let id = (1..=max)
+            .map(|i| ((u32::from(start) + u32::from(i) - 1) % u32::from(max) + 1) as u16)
             .find(|id| !st.channels.contains_key(id))
             .ok_or_else(|| AmqpError::Protocol(format!("all {max} channels are in use")))?;
+        st.last_channel = id;
         st.channels.insert(id, Chan::default());
         Ok(id)
     }

@@ -67,20 +67,7 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
     shared: Arc<Shared>,
 ) {
     let end = loop {
-        let mut done = None;
-        while let Some(frame) = match rb.next_frame() {
-            Ok(f) => f,
-            Err(e) => {
-                done = Some(e);
-                None
-            }
-        } {
-            if let Some(e) = route(&shared, frame) {
-                done = Some(e);
-                break;
-            }
-        }
-        if let Some(e) = done {
+        if let Some(e) = route_all(&shared, &mut rb) {
             break e;
         }
         let read = rb.fill(&mut r);
@@ -100,12 +87,27 @@ pub(super) async fn read_loop<R: AsyncRead + Unpin>(
     shared.stop.cancel();
 }
 
-/// Route one frame; `Some` ends the connection (with why).
-fn route(shared: &Shared, frame: AMQPFrame) -> Option<AmqpError> {
+/// Route every whole frame a read brought, under one lock; `Some` ends the connection.
+fn route_all(shared: &Shared, rb: &mut ReadBuf) -> Option<AmqpError> {
     let mut st = shared.lock();
+    loop {
+        match rb.next_frame() {
+            Ok(Some(frame)) => {
+                if let Some(e) = route(shared, &mut st, frame) {
+                    return Some(e);
+                }
+            }
+            Ok(None) => return None,
+            Err(e) => return Some(e),
+        }
+    }
+}
+
+/// Route one frame; `Some` ends the connection (with why).
+fn route(shared: &Shared, st: &mut State, frame: AMQPFrame) -> Option<AmqpError> {
     match frame {
         AMQPFrame::Heartbeat => None,
-        AMQPFrame::Method(0, AMQPClass::Connection(m)) => connection_method(shared, &mut st, m),
+        AMQPFrame::Method(0, AMQPClass::Connection(m)) => connection_method(shared, st, m),
         AMQPFrame::Method(ch, AMQPClass::Channel(channel::AMQPMethod::Close(c))) => {
             let e = AmqpError::ChannelClosed {
                 code: c.reply_code,
@@ -122,7 +124,7 @@ fn route(shared: &Shared, frame: AMQPFrame) -> Option<AmqpError> {
             let ok = AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {}));
             match wire::method(&mut out, ch, ok) {
                 Ok(()) => {
-                    shared.queue(&mut st, &out);
+                    shared.queue(st, &out);
                     None
                 }
                 Err(e) => Some(e),
