@@ -66,16 +66,9 @@ impl Channel {
         self.conn.shared.channel_open(self.id)
     }
 
-    fn encode(&self, class: AMQPClass) -> Result<Vec<u8>, AmqpError> {
-        let mut out = Vec::new();
-        wire::method(&mut out, self.id, class)?;
-        Ok(out)
-    }
-
     /// Send a synchronous request and wait for its reply.
     pub(crate) async fn call(&self, class: AMQPClass) -> Result<Reply, AmqpError> {
-        let bytes = self.encode(class)?;
-        let rx = self.conn.shared.request(self.id, bytes)?;
+        let rx = self.conn.shared.request(self.id, class)?;
         rx.await.unwrap_or_else(|_| Err(AmqpError::closed()))
     }
 
@@ -177,21 +170,19 @@ impl Channel {
 
     /// `basic.consume` with acks.
     pub async fn basic_consume(&self, queue: &str, tag: &str) -> Result<Consumer, AmqpError> {
-        let bytes = self.encode(AMQPClass::Basic(basic::AMQPMethod::Consume(
-            basic::Consume {
-                queue: queue.into(),
-                consumer_tag: tag.into(),
-                no_local: false,
-                no_ack: false,
-                exclusive: false,
-                nowait: false,
-                arguments: FieldTable::default(),
-            },
-        )))?;
-        let (rx, deliveries) = self
-            .conn
-            .shared
-            .consume(self.id, ShortString::from(tag), bytes)?;
+        let consume = AMQPClass::Basic(basic::AMQPMethod::Consume(basic::Consume {
+            queue: queue.into(),
+            consumer_tag: tag.into(),
+            no_local: false,
+            no_ack: false,
+            exclusive: false,
+            nowait: false,
+            arguments: FieldTable::default(),
+        }));
+        let (rx, deliveries) =
+            self.conn
+                .shared
+                .consume(self.id, ShortString::from(tag), consume)?;
         rx.await.unwrap_or_else(|_| Err(AmqpError::closed()))?;
         Ok(Consumer {
             rx: deliveries,
@@ -230,21 +221,21 @@ impl Channel {
 
     /// `basic.ack` (no reply: queued for the writer with whatever else is going out).
     pub fn basic_ack(&self, tag: u64, multiple: bool) -> Result<(), AmqpError> {
-        let bytes = self.encode(AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+        let ack = AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
             delivery_tag: tag,
             multiple,
-        })))?;
-        self.conn.shared.send_on(self.id, bytes)
+        }));
+        self.conn.shared.send_on(self.id, ack)
     }
 
     /// `basic.nack` of one delivery.
     pub fn basic_nack(&self, tag: u64, requeue: bool) -> Result<(), AmqpError> {
-        let bytes = self.encode(AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
+        let nack = AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
             delivery_tag: tag,
             multiple: false,
             requeue,
-        })))?;
-        self.conn.shared.send_on(self.id, bytes)
+        }));
+        self.conn.shared.send_on(self.id, nack)
     }
 
     /// Publish; on a confirming channel the returned [`Confirm`] resolves to the broker's answer.
@@ -315,9 +306,7 @@ impl Drop for Channel {
                 class_id: 0,
                 method_id: 0,
             }));
-            if let Ok(bytes) = self.encode(close) {
-                let _ = shared.request(self.id, bytes);
-            }
+            let _ = shared.request(self.id, close);
         } else {
             shared.forget(self.id);
         }

@@ -197,26 +197,39 @@ impl Shared {
     }
 
     fn close_frame(&self, code: u16, text: &str) -> Result<(), AmqpError> {
-        let mut out = Vec::new();
-        wire::method(
-            &mut out,
-            0,
-            AMQPClass::Connection(connection::AMQPMethod::Close(connection::Close {
-                reply_code: code,
-                reply_text: text.into(),
-                class_id: 0,
-                method_id: 0,
-            })),
-        )?;
-        let mut st = self.lock();
-        self.queue(&mut st, &out);
+        let close = AMQPClass::Connection(connection::AMQPMethod::Close(connection::Close {
+            reply_code: code,
+            reply_text: text.into(),
+            class_id: 0,
+            method_id: 0,
+        }));
+        self.append_method(&mut self.lock(), 0, close)
+    }
+
+    /// Append frames to the writer's queue, encoded in place (the caller holds the lock, which
+    /// orders them); on an encoding error none of them stays.
+    pub(super) fn append(
+        &self,
+        st: &mut State,
+        encode: impl FnOnce(&mut Vec<u8>) -> Result<(), AmqpError>,
+    ) -> Result<(), AmqpError> {
+        let mark = st.out.len();
+        if let Err(e) = encode(&mut st.out) {
+            st.out.truncate(mark);
+            return Err(e);
+        }
+        self.wake.notify_one();
         Ok(())
     }
 
-    /// Queue bytes for the writer (the caller holds the lock).
-    pub(super) fn queue(&self, st: &mut State, bytes: &[u8]) {
-        st.out.extend_from_slice(bytes);
-        self.wake.notify_one();
+    /// [`Shared::append`] of one method frame.
+    pub(super) fn append_method(
+        &self,
+        st: &mut State,
+        channel: u16,
+        class: AMQPClass,
+    ) -> Result<(), AmqpError> {
+        self.append(st, |out| wire::method(out, channel, class))
     }
 
     fn open_channel(&self) -> Result<u16, AmqpError> {
@@ -242,26 +255,23 @@ impl Shared {
     }
 
     /// Send a synchronous request on `channel` and register for its reply, in the order the
-    /// bytes go out (so replies, which come in request order, find their caller).
-    pub(crate) fn request(
-        &self,
-        channel: u16,
-        bytes: Vec<u8>,
-    ) -> Result<oneshot::Receiver<Result<Reply, AmqpError>>, AmqpError> {
+    /// requests go out (so replies, which come in request order, find their caller).
+    pub(crate) fn request(&self, channel: u16, class: AMQPClass) -> Result<ReplyRx, AmqpError> {
         let (tx, rx) = oneshot::channel();
         let mut st = self.lock();
-        let chan = st.usable(channel)?;
-        chan.rpc.push_back(tx);
-        self.queue(&mut st, &bytes);
+        self.send_locked(&mut st, channel, class)?;
+        st.usable(channel)?.rpc.push_back(tx);
         Ok(rx)
     }
 
-    /// Send bytes on an open `channel` (no reply expected).
-    pub(crate) fn send_on(&self, channel: u16, bytes: Vec<u8>) -> Result<(), AmqpError> {
-        let mut st = self.lock();
+    /// Send a method on an open `channel` (no reply expected).
+    pub(crate) fn send_on(&self, channel: u16, class: AMQPClass) -> Result<(), AmqpError> {
+        self.send_locked(&mut self.lock(), channel, class)
+    }
+
+    fn send_locked(&self, st: &mut State, channel: u16, class: AMQPClass) -> Result<(), AmqpError> {
         st.usable(channel)?;
-        self.queue(&mut st, &bytes);
-        Ok(())
+        self.append_method(st, channel, class)
     }
 
     /// Register a consumer's queue before its `basic.consume` goes out: deliveries may follow
@@ -270,15 +280,15 @@ impl Shared {
         &self,
         channel: u16,
         tag: ShortString,
-        bytes: Vec<u8>,
+        class: AMQPClass,
     ) -> Result<(ReplyRx, DeliveryRx), AmqpError> {
         let (dtx, drx) = mpsc::unbounded_channel();
         let (tx, rx) = oneshot::channel();
         let mut st = self.lock();
+        self.send_locked(&mut st, channel, class)?;
         let chan = st.usable(channel)?;
         chan.consumer = Some((tag, dtx));
         chan.rpc.push_back(tx);
-        self.queue(&mut st, &bytes);
         Ok((rx, drx))
     }
 
@@ -293,12 +303,7 @@ impl Shared {
     ) -> Result<Option<oneshot::Receiver<Result<Confirmation, AmqpError>>>, AmqpError> {
         let mut st = self.lock();
         st.usable(channel)?;
-        let mark = st.out.len();
-        if let Err(e) = encode(&mut st.out) {
-            st.out.truncate(mark);
-            return Err(e);
-        }
-        self.wake.notify_one();
+        self.append(&mut st, encode)?;
         let chan = st.usable(channel)?;
         let rx = chan.confirms.as_mut().map(|c| {
             let (tx, rx) = oneshot::channel();

@@ -120,15 +120,8 @@ fn route(shared: &Shared, st: &mut State, frame: AMQPFrame) -> Option<AmqpError>
                 chan.closed = Some(e.clone());
                 taken.fail(&e);
             }
-            let mut out = Vec::new();
             let ok = AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {}));
-            match wire::method(&mut out, ch, ok) {
-                Ok(()) => {
-                    shared.queue(st, &out);
-                    None
-                }
-                Err(e) => Some(e),
-            }
+            shared.append_method(st, ch, ok).err()
         }
         AMQPFrame::Method(ch, AMQPClass::Channel(channel::AMQPMethod::CloseOk(_))) => {
             if let Some(mut chan) = st.channels.remove(&ch) {
@@ -177,11 +170,9 @@ fn connection_method(
 ) -> Option<AmqpError> {
     match m {
         connection::AMQPMethod::Close(c) => {
-            let mut out = Vec::new();
             let ok = AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {}));
-            if wire::method(&mut out, 0, ok).is_ok() {
-                shared.queue(st, &out);
-            }
+            // Best effort: the connection ends either way.
+            let _ = shared.append_method(st, 0, ok);
             Some(AmqpError::ConnectionClosed {
                 code: c.reply_code,
                 text: c.reply_text.to_string(),
