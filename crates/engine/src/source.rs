@@ -224,7 +224,7 @@ impl Source {
         if let Some(last) = below.iter().max() {
             self.channel.basic_ack(*last, true)?;
         }
-        self.ack_each(&above).await?;
+        self.ack_each(&above)?;
         self.acked += tags.len() as u64;
         Ok(())
     }
@@ -240,13 +240,13 @@ impl Source {
         for t in tags {
             self.held.remove(t);
         }
-        self.ack_each(tags).await?;
+        self.ack_each(tags)?;
         self.acked += tags.len() as u64;
         Ok(())
     }
 
     /// One frame each, queued together and written together.
-    async fn ack_each(&self, tags: &[u64]) -> Result<(), Error> {
+    fn ack_each(&self, tags: &[u64]) -> Result<(), Error> {
         for tag in tags {
             self.channel.basic_ack(*tag, false)?;
         }

@@ -10,34 +10,23 @@ use crate::Error;
 
 impl Drain<'_> {
     /// Publish the step's quarantines and replays; the confirms are returned, not awaited.
-    /// Without a rate limit the step's publishes go out together (one write, not one wait per
-    /// message); with one, each waits for its token.
+    /// Each publish is queued for the connection's writer as it is decided, so without a rate
+    /// limit the step's publishes leave together (one write, not one wait per message); with
+    /// one, each waits for its token.
     pub(super) async fn send(
         &mut self,
         items: &mut [Item],
     ) -> Result<Vec<(usize, Confirm)>, Error> {
         self.publisher.ensure_open().await?;
         let mut out = Vec::new();
-        let mut ready = Vec::new();
         for (i, item) in items.iter_mut().enumerate() {
             let Some((dest, props)) = self.outgoing(item).await else {
                 continue;
             };
-            if self.limiter.is_none() {
-                ready.push((i, dest, props));
-                continue;
-            }
             match self.publisher.send(&dest, props, &item.delivery.data) {
                 Ok(confirm) => out.push((i, confirm)),
                 // Refused before it left (e.g. the channel is closed): it was not sent.
                 Err(e) => item.act = Act::Failed(format!("NotSent: {e}")),
-            }
-        }
-        // Each publish is queued in order; the writer sends the step's together.
-        for (i, dest, props) in ready {
-            match self.publisher.send(&dest, props, &items[i].delivery.data) {
-                Ok(confirm) => out.push((i, confirm)),
-                Err(e) => items[i].act = Act::Failed(format!("NotSent: {e}")),
             }
         }
         Ok(out)
