@@ -84,7 +84,16 @@ pub(crate) async fn the_operator_binary_drives_a_replay_from_a_kubeconfig_and_se
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     eprintln!("operator RSS: idle {idle} KiB, draining (peak seen) {draining} KiB");
-    let metrics = http_get(port, "/metrics").await;
+    // The operator counts a status into its metrics once the API server has taken the write,
+    // so a scrape right after `Done` is seen can precede it: wait for the counts (5 s at most).
+    let mut metrics = http_get(port, "/metrics").await;
+    let t = Instant::now();
+    while !metrics.contains("dlq_replay_messages_total{decision=\"replayed\"} 200")
+        && t.elapsed() < Duration::from_secs(5)
+    {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        metrics = http_get(port, "/metrics").await;
+    }
     assert!(
         metrics
             .to_ascii_lowercase()
