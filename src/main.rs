@@ -5,6 +5,14 @@ use clap::Parser;
 #[cfg(feature = "count-allocs")]
 mod count_allocs;
 
+/// mimalloc, not glibc's malloc: a drain allocates and frees a few dozen small blocks per
+/// message (parsed properties, keys, audit rows), and glibc's allocator took about a quarter
+/// of the process's CPU doing it (bench/RESULTS.md, issue 21). With `count-allocs` the
+/// counting allocator wraps it instead.
+#[cfg(not(feature = "count-allocs"))]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     dlq_replay::tls::install_provider();
     let cli = dlq_replay::cli::Cli::parse();

@@ -95,7 +95,7 @@ fuzz_target!(|input: Input| {
         signature_header: "x-exception-type",
         replay_id: "r1",
     };
-    let verdict = classify::classify(&rules, &BasicProperties::default(), &body);
+    let verdict = classify::classify(&rules, &BasicProperties::default().into(), &body);
     match (derived, verdict) {
         (Some(Ok(k)), Verdict::Replay { key: Some(got), .. }) => assert_eq!(got, k),
         (Some(Err(e)), Verdict::Poison(reason)) => assert_eq!(reason, e.to_string()),

@@ -731,6 +731,8 @@ impl Spec {
             },
             dry_run: false,
             suspend: false,
+            expect: None,
+            require_approval: false,
         }
     }
 }

@@ -149,8 +149,10 @@ async fn fixed_worker(
         return;
     };
     while let Some(Ok(d)) = consumer.next().await {
+        // The worker's own client (lapin) hands amq-protocol's properties: read as the engine
+        // reads them.
         let key = crate::engine::message::header_text(
-            &d.properties,
+            &(&d.properties).into(),
             crate::engine::message::IDEMPOTENCY_KEY,
         );
         if let Some(k) = key {

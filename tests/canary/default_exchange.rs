@@ -42,7 +42,8 @@ async fn assert_fed_by_default_exchange(w: &World) {
         "delivered through the default exchange"
     );
     assert_eq!(d.routing_key.as_str(), w.topo.dlq);
-    let deaths = message::deaths(&d.properties);
+    let props = (&d.properties).into();
+    let deaths = message::deaths(&props);
     assert_eq!(deaths.len(), 1, "{deaths:?}");
     assert_eq!(deaths[0].reason, "rejected");
     assert_eq!(deaths[0].queue, w.topo.work);

@@ -44,7 +44,8 @@ async fn worker_timed(
     let mut redis = w.redis.clone();
     tokio::spawn(async move {
         while let Some(Ok(d)) = consumer.next().await {
-            let kind = message::header_text(&d.properties, "x-exception-type").unwrap_or_default();
+            let kind = message::header_text(&(&d.properties).into(), "x-exception-type")
+                .unwrap_or_default();
             tokio::time::sleep(think).await;
             if fail.contains(&kind) {
                 d.reject(BasicRejectOptions { requeue: false })
@@ -54,7 +55,9 @@ async fn worker_timed(
                 continue;
             }
             if mark_done {
-                if let Some(k) = message::header_text(&d.properties, message::IDEMPOTENCY_KEY) {
+                if let Some(k) =
+                    message::header_text(&(&d.properties).into(), message::IDEMPOTENCY_KEY)
+                {
                     let _: () = redis::cmd("SET")
                         .arg(k)
                         .arg("done")
@@ -600,7 +603,8 @@ async fn recording_worker(w: &World, fail: &[&str]) -> (tokio::task::JoinHandle<
                 .map(|m| m.to_string())
                 .unwrap_or_default();
             got.lock().unwrap().push(id);
-            let kind = message::header_text(&d.properties, "x-exception-type").unwrap_or_default();
+            let kind = message::header_text(&(&d.properties).into(), "x-exception-type")
+                .unwrap_or_default();
             if fail.contains(&kind) {
                 d.reject(BasicRejectOptions { requeue: false })
                     .await

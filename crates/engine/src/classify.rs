@@ -2,7 +2,7 @@
 //!
 //! Kept free of I/O so every rule is unit-tested and fuzzable, and `plan` and `run` decide alike.
 
-use crate::amqp::BasicProperties;
+use crate::amqp::Properties;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 use std::borrow::Cow;
@@ -96,7 +96,7 @@ impl<'a> Rules<'a> {
 }
 
 /// Decide a message by the pure rules: select, then the poison gate, then derive its key.
-pub fn classify(rules: &Rules<'_>, props: &BasicProperties, body: &[u8]) -> Verdict {
+pub fn classify(rules: &Rules<'_>, props: &Properties, body: &[u8]) -> Verdict {
     if message::header_text(props, REPLAY_ID).as_deref() == Some(rules.replay_id) {
         return Verdict::Skip(SkipReason::Returned);
     }
@@ -137,7 +137,7 @@ pub fn classify(rules: &Rules<'_>, props: &BasicProperties, body: &[u8]) -> Verd
 /// Why a message is not selected, or `None` when it is.
 fn unselected(
     sel: &SelectorSpec,
-    props: &BasicProperties,
+    props: &Properties,
     last: Option<&Death>,
     json: Option<&Value>,
 ) -> Option<String> {
@@ -182,7 +182,7 @@ fn payload_matches(m: &PayloadMatch, json: Option<&Value>) -> bool {
 /// The poison reason, or `None` for a healthy message.
 fn poison(
     rules: &Rules<'_>,
-    props: &BasicProperties,
+    props: &Properties,
     deaths: &[Death],
     body: &[u8],
     json: Option<&Value>,
@@ -262,7 +262,7 @@ pub fn destination(target: &crate::spec::TargetSpec, last: Option<&Death>) -> Op
 
 /// The failure signature of a message: the signature header, else the reason and queue of its
 /// most recent death.
-pub fn signature(signature_header: &str, props: &BasicProperties) -> String {
+pub fn signature(signature_header: &str, props: &Properties) -> String {
     if let Some(v) = message::header_str(props, signature_header) {
         return format!("{signature_header}={}", shortened(&v));
     }
@@ -298,7 +298,7 @@ fn shortened(v: &str) -> Cow<'_, str> {
 }
 
 /// The queue a default-target message will land in: the queue of its most recent death.
-pub fn original_queue(props: &BasicProperties) -> Option<String> {
+pub fn original_queue(props: &Properties) -> Option<String> {
     message::deaths(props)
         .into_iter()
         .next()
@@ -308,10 +308,10 @@ pub fn original_queue(props: &BasicProperties) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::amqp::{AMQPValue, FieldArray, FieldTable};
+    use crate::amqp::{AMQPValue, BasicProperties, FieldArray, FieldTable};
     use crate::spec::{KeyField, TargetSpec};
 
-    fn dead(reason: &str, count: i64, extra: &[(&str, &str)]) -> BasicProperties {
+    fn dead(reason: &str, count: i64, extra: &[(&str, &str)]) -> Properties {
         let mut d = FieldTable::default();
         d.insert("queue".into(), AMQPValue::LongString("work".into()));
         d.insert("reason".into(), AMQPValue::LongString(reason.into()));
@@ -327,7 +327,7 @@ mod tests {
         for (k, v) in extra {
             h.insert((*k).into(), AMQPValue::LongString((*v).into()));
         }
-        BasicProperties::default().with_headers(h)
+        BasicProperties::default().with_headers(h).into()
     }
 
     struct Fixture {
@@ -479,7 +479,7 @@ mod tests {
             "{v:?}"
         );
         f.key = None;
-        let v = classify(&f.rules(), &BasicProperties::default(), b"{}");
+        let v = classify(&f.rules(), &Properties::default(), b"{}");
         assert!(
             matches!(&v, Verdict::Poison(r) if r.starts_with("NoDestination")),
             "{v:?}"
@@ -487,7 +487,7 @@ mod tests {
         f.target.exchange = Some("".into());
         f.target.routing_key = Some("q".into());
         assert!(matches!(
-            classify(&f.rules(), &BasicProperties::default(), b"{}"),
+            classify(&f.rules(), &Properties::default(), b"{}"),
             Verdict::Replay { .. }
         ));
     }

@@ -27,11 +27,9 @@
 //! that very message, drops the second one (acks it): one of the two always survives, and
 //! nothing is dropped that the ledger does not say may have been doubled.
 
-use std::collections::{HashMap, HashSet};
-use std::fmt::Write as _;
-
-use crate::amqp::{BasicProperties, Channel, Confirm, Connection, FieldTable};
+use crate::amqp::{Channel, Confirm, Connection, Properties, Publishable, TableWriter};
 use crate::store::Redis;
+use std::collections::{HashMap, HashSet};
 
 use sha2::{Digest, Sha256};
 
@@ -41,52 +39,34 @@ use crate::Error;
 /// The header a quorum queue adds to a redelivered message; not part of the message itself.
 const DELIVERY_COUNT: &str = "x-delivery-count";
 
-/// The properties of a moved copy: everything but the broker's redelivery count.
-pub fn copy_properties(props: &BasicProperties) -> BasicProperties {
-    let Some(h) = props.headers() else {
+/// The properties of a moved copy: everything but the broker's redelivery count, the other
+/// headers byte for byte.
+pub fn copy_properties(props: &Properties) -> Properties {
+    let Some(h) = props.headers().filter(|h| h.contains(DELIVERY_COUNT)) else {
         return props.clone();
     };
-    if !h.contains_key(DELIVERY_COUNT) {
-        return props.clone();
+    let mut w = TableWriter::with_capacity(props.header_bytes().map_or(0, <[u8]>::len));
+    for e in h.entries().filter(|e| e.name != DELIVERY_COUNT) {
+        w.copy(&e);
     }
-    let mut headers = FieldTable::default();
-    for (k, v) in h.inner() {
-        if k.as_str() != DELIVERY_COUNT {
-            headers.insert(k.clone(), v.clone());
-        }
-    }
-    props.clone().with_headers(headers)
-}
-
-/// Formatting into a hash.
-struct HashWriter<'a>(&'a mut Sha256);
-
-impl std::fmt::Write for HashWriter<'_> {
-    fn write_str(&mut self, s: &str) -> std::fmt::Result {
-        self.0.update(s.as_bytes());
-        Ok(())
-    }
+    props.with_header_bytes(Some(w.into_bytes()))
 }
 
 /// A digest of the whole message as a copy would carry it (properties, headers, body): two
 /// messages with the same digest are the same message, one being a leftover copy of the other.
-pub fn digest(props: &BasicProperties, body: &[u8]) -> String {
-    let mut h = Sha256::new();
-    // The debug form lists every property and header (headers sorted by name); it only has to
-    // be stable between a crash and the next pass of the same binary version. It is written
-    // straight into the hash (no String), and the properties are copied only when there is a
-    // redelivery count to leave out: the same bytes as formatting `copy_properties` would give.
-    let has_count = props
-        .headers()
-        .as_ref()
-        .is_some_and(|h| h.contains_key(DELIVERY_COUNT));
-    let mut w = HashWriter(&mut h);
-    // Writing into a hash cannot fail.
-    let _ = if has_count {
-        write!(w, "{:?}", copy_properties(props))
+/// It hashes the copy's content header as it would go on the wire (the headers' bytes as they
+/// came, less the redelivery count), then the body; it only has to be stable between a crash
+/// and the next pass of the same binary version.
+pub fn digest(props: &Properties, body: &[u8]) -> String {
+    let mut header = Vec::with_capacity(64 + props.header_bytes().map_or(0, <[u8]>::len));
+    // Copied only when there is a redelivery count to leave out.
+    if props.headers().is_some_and(|h| h.contains(DELIVERY_COUNT)) {
+        copy_properties(props).write_header(&mut header, body.len() as u64);
     } else {
-        write!(w, "{props:?}")
-    };
+        props.write_header(&mut header, body.len() as u64);
+    }
+    let mut h = Sha256::new();
+    h.update(&header);
     h.update([0]);
     h.update(body);
     hex::encode(&h.finalize()[..16])
@@ -171,7 +151,7 @@ impl Ledger {
     /// Meet a message in this traversal: `None` when the ledger doubts no message of the queue
     /// (no digest is computed then); else its digest and whether it is a leftover copy
     /// ([`Ledger::is_leftover`]).
-    pub fn meet(&mut self, props: &BasicProperties, body: &[u8]) -> Option<(String, bool)> {
+    pub fn meet(&mut self, props: &Properties, body: &[u8]) -> Option<(String, bool)> {
         if self.doubtful.is_empty() {
             return None;
         }
@@ -280,20 +260,14 @@ impl Mover {
 
     /// Publish a copy of each message to the queue's tail and wait for every confirm. The
     /// caller has counted their digests in the ledger.
-    pub async fn copy(
-        &mut self,
-        messages: &[(&BasicProperties, &[u8])],
-    ) -> Result<Vec<Moved>, Error> {
+    pub async fn copy(&mut self, messages: &[(&Properties, &[u8])]) -> Result<Vec<Moved>, Error> {
         let sent = self.send(messages).await?;
         Ok(futures::future::join_all(sent.into_iter().map(Copy::moved)).await)
     }
 
     /// Publish a copy of each message to the queue's tail; the confirms are not awaited (see
     /// [`Copy::moved`]). The caller has counted their digests in the ledger.
-    pub async fn send(
-        &mut self,
-        messages: &[(&BasicProperties, &[u8])],
-    ) -> Result<Vec<Copy>, Error> {
+    pub async fn send(&mut self, messages: &[(&Properties, &[u8])]) -> Result<Vec<Copy>, Error> {
         if messages.is_empty() {
             return Ok(Vec::new());
         }
@@ -342,21 +316,23 @@ impl Copy {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::amqp::AMQPValue;
+    use crate::amqp::{AMQPValue, BasicProperties, FieldTable};
 
     #[test]
-    fn the_digest_is_that_of_the_formatted_copy() {
-        for p in [props(None), props(Some(3)), BasicProperties::default()] {
+    fn the_digest_is_that_of_the_copys_header_and_body() {
+        for p in [props(None), props(Some(3)), Properties::default()] {
+            let mut header = Vec::new();
+            copy_properties(&p).write_header(&mut header, 4);
             let mut h = Sha256::new();
-            h.update(format!("{:?}", copy_properties(&p)).as_bytes());
+            h.update(&header);
             h.update([0]);
             h.update(b"body");
-            let old = hex::encode(&h.finalize()[..16]);
-            assert_eq!(digest(&p, b"body"), old);
+            let expected = hex::encode(&h.finalize()[..16]);
+            assert_eq!(digest(&p, b"body"), expected);
         }
     }
 
-    fn props(count: Option<i64>) -> BasicProperties {
+    fn basic(count: Option<i64>) -> BasicProperties {
         let mut h = FieldTable::default();
         h.insert("x-death".into(), AMQPValue::FieldArray(Default::default()));
         h.insert("x-exception-type".into(), AMQPValue::LongString("E".into()));
@@ -368,9 +344,13 @@ mod tests {
             .with_headers(h)
     }
 
+    fn props(count: Option<i64>) -> Properties {
+        basic(count).into()
+    }
+
     #[test]
     fn a_copy_keeps_every_header_but_the_delivery_count() {
-        let p = copy_properties(&props(Some(4)));
+        let p = copy_properties(&props(Some(4))).to_basic();
         let h = p.headers().clone().unwrap();
         assert!(h.contains_key("x-death") && h.contains_key("x-exception-type"));
         assert!(!h.contains_key(DELIVERY_COUNT));
@@ -381,7 +361,7 @@ mod tests {
     fn the_digest_ignores_only_the_delivery_count() {
         assert_eq!(digest(&props(Some(2)), b"x"), digest(&props(None), b"x"));
         assert_ne!(digest(&props(None), b"x"), digest(&props(None), b"y"));
-        let other = props(None).with_priority(3);
+        let other: Properties = basic(None).with_priority(3).into();
         assert_ne!(digest(&other, b"x"), digest(&props(None), b"x"));
     }
 

@@ -2,8 +2,7 @@
 //!
 //! Pure functions of (properties, body); no I/O.
 
-use crate::amqp::BasicProperties;
-use crate::amqp::{AMQPValue, FieldTable};
+use crate::amqp::{AMQPValue, Properties, Table, Value};
 use sha2::{Digest, Sha256};
 use std::borrow::Cow;
 
@@ -34,23 +33,23 @@ pub struct Death<'a> {
     pub routing_keys: Vec<Cow<'a, str>>,
 }
 
-/// The headers of a message, or an empty table.
-pub fn headers(props: &BasicProperties) -> Option<&FieldTable> {
-    props.headers().as_ref()
+/// The headers of a message, read in place.
+pub fn headers(props: &Properties) -> Option<Table<'_>> {
+    props.headers()
 }
 
 /// A header's value as text, for the header types a human would match on.
-pub fn header_text(props: &BasicProperties, name: &str) -> Option<String> {
-    headers(props)?.inner().get(name).and_then(value_text)
+pub fn header_text(props: &Properties, name: &str) -> Option<String> {
+    header_str(props, name).map(Cow::into_owned)
 }
 
-/// The text form of a scalar AMQP value; tables, arrays and void have none.
+/// The text form of a scalar AMQP value (amq-protocol's type); tables, arrays and void have
+/// none.
 pub fn value_text(v: &AMQPValue) -> Option<String> {
     value_str(v).map(Cow::into_owned)
 }
 
-/// [`value_text`], borrowed from the value where it is text already (UTF-8 strings, the
-/// common case), so that reading a header allocates nothing.
+/// [`value_text`], borrowed from the value where it is text already.
 pub fn value_str(v: &AMQPValue) -> Option<Cow<'_, str>> {
     Some(match v {
         AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()),
@@ -62,33 +61,34 @@ pub fn value_str(v: &AMQPValue) -> Option<Cow<'_, str>> {
     })
 }
 
-/// [`header_text`], borrowed (see [`value_str`]).
-pub fn header_str<'a>(props: &'a BasicProperties, name: &str) -> Option<Cow<'a, str>> {
-    headers(props)?.inner().get(name).and_then(value_str)
+/// A header's text, borrowed from the header where it is UTF-8 text already (the common
+/// case), so that reading a header allocates nothing.
+pub fn header_str<'a>(props: &'a Properties, name: &str) -> Option<Cow<'a, str>> {
+    headers(props)?.get(name).and_then(Value::as_str)
 }
 
 /// A text field of the most recent `x-death` entry (the first of [`deaths`]), borrowed:
 /// `None` when there is no readable entry, "" when the entry lacks the field.
-pub fn first_death_str<'a>(props: &'a BasicProperties, field: &str) -> Option<Cow<'a, str>> {
+pub fn first_death_str<'a>(props: &'a Properties, field: &str) -> Option<Cow<'a, str>> {
     death_tables(props)
         .next()
-        .map(|t| t.inner().get(field).and_then(value_str).unwrap_or_default())
+        .map(|t| t.get(field).and_then(Value::as_str).unwrap_or_default())
 }
 
 /// The readable `x-death` entries (tables), most recent first: what every reading of the deaths
 /// walks. Malformed entries are skipped.
-fn death_tables(props: &BasicProperties) -> impl Iterator<Item = &FieldTable> {
-    let entries = match headers(props).and_then(|h| h.inner().get("x-death")) {
-        Some(AMQPValue::FieldArray(entries)) => entries.as_slice(),
-        _ => &[],
+fn death_tables(props: &Properties) -> impl Iterator<Item = Table<'_>> {
+    let entries = match headers(props).and_then(|h| h.get("x-death")) {
+        Some(Value::Array(entries)) => Some(entries.iter()),
+        _ => None,
     };
-    entries.iter().filter_map(|e| match e {
-        AMQPValue::FieldTable(t) => Some(t),
+    entries.into_iter().flatten().filter_map(|e| match e {
+        Value::Table(t) => Some(t),
         _ => None,
     })
 }
 
-/// The integer value of any AMQP integer type.
+/// The integer value of any AMQP integer type (amq-protocol's type).
 pub fn value_int(v: &AMQPValue) -> Option<i128> {
     Some(match v {
         AMQPValue::ShortShortInt(n) => (*n).into(),
@@ -105,23 +105,22 @@ pub fn value_int(v: &AMQPValue) -> Option<i128> {
 
 /// The `x-death` entries, most recent first (as RabbitMQ orders them). Malformed entries are
 /// skipped rather than failing the message: a death we cannot read is a death we do not count.
-pub fn deaths(props: &BasicProperties) -> Vec<Death<'_>> {
+pub fn deaths(props: &Properties) -> Vec<Death<'_>> {
     death_tables(props).map(death).collect()
 }
 
-fn death(t: &FieldTable) -> Death<'_> {
-    let text = |k: &str| t.inner().get(k).and_then(value_str).unwrap_or_default();
-    let routing_keys = match t.inner().get("routing-keys") {
-        Some(AMQPValue::FieldArray(a)) => a.as_slice().iter().filter_map(value_str).collect(),
+fn death(t: Table<'_>) -> Death<'_> {
+    let text = |k: &str| t.get(k).and_then(Value::as_str).unwrap_or_default();
+    let routing_keys = match t.get("routing-keys") {
+        Some(Value::Array(a)) => a.iter().filter_map(Value::as_str).collect(),
         _ => Vec::new(),
     };
     Death {
         queue: text("queue"),
         reason: text("reason"),
         count: t
-            .inner()
             .get("count")
-            .and_then(value_int)
+            .and_then(Value::as_int)
             .map_or(1, |n| n.clamp(0, u64::MAX.into()) as u64),
         exchange: text("exchange"),
         routing_keys,
@@ -129,20 +128,20 @@ fn death(t: &FieldTable) -> Death<'_> {
 }
 
 /// How many times replays have published this message already.
-pub fn replay_count(props: &BasicProperties) -> u64 {
+pub fn replay_count(props: &Properties) -> u64 {
     headers(props)
-        .and_then(|h| h.inner().get(REPLAY_COUNT))
-        .and_then(|v| value_int(v).or_else(|| value_text(v)?.parse().ok()))
+        .and_then(|h| h.get(REPLAY_COUNT))
+        .and_then(|v| v.as_int().or_else(|| v.as_str()?.parse().ok()))
         .map_or(0, |n| n.clamp(0, u64::MAX.into()) as u64)
 }
 
 /// Dead-letterings so far: every `x-death` count plus the replays that sent it back.
-pub fn death_count(props: &BasicProperties) -> u64 {
+pub fn death_count(props: &Properties) -> u64 {
     death_count_of(&deaths(props), props)
 }
 
 /// [`death_count`] for deaths already read.
-pub fn death_count_of(deaths: &[Death], props: &BasicProperties) -> u64 {
+pub fn death_count_of(deaths: &[Death], props: &Properties) -> u64 {
     deaths
         .iter()
         .map(|d| d.count)
@@ -150,8 +149,8 @@ pub fn death_count_of(deaths: &[Death], props: &BasicProperties) -> u64 {
 }
 
 /// A stable name for the message in audit rows: its `message-id`, else a hash of its body.
-pub fn identity(props: &BasicProperties, body: &[u8]) -> String {
-    match props.message_id() {
+pub fn identity(props: &Properties, body: &[u8]) -> String {
+    match props.basic().message_id() {
         Some(id) if !id.as_str().is_empty() => id.as_str().to_owned(),
         _ => short_hex("sha256:", &Sha256::digest(body)),
     }
@@ -159,10 +158,11 @@ pub fn identity(props: &BasicProperties, body: &[u8]) -> String {
 
 /// A fingerprint of the message itself (message id and body), to recognise the very same message
 /// when a crash made the broker deliver it again.
-pub fn fingerprint(props: &BasicProperties, body: &[u8]) -> String {
+pub fn fingerprint(props: &Properties, body: &[u8]) -> String {
     let mut h = Sha256::new();
     h.update(
         props
+            .basic()
             .message_id()
             .as_ref()
             .map_or("", |m| m.as_str())
@@ -189,7 +189,7 @@ pub(crate) fn short_hex(prefix: &str, digest: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::amqp::{FieldArray, LongString};
+    use crate::amqp::{BasicProperties, FieldArray, FieldTable, LongString};
 
     #[test]
     fn short_hex_is_the_first_32_hex_digits_after_the_prefix() {
@@ -197,7 +197,7 @@ mod tests {
         assert_eq!(short_hex("m:", &d), format!("m:{}", &hex::encode(d)[..32]));
     }
 
-    fn with_death(count: AMQPValue) -> BasicProperties {
+    fn with_death(count: AMQPValue) -> Properties {
         let mut d = FieldTable::default();
         d.insert("queue".into(), AMQPValue::LongString("work".into()));
         d.insert("reason".into(), AMQPValue::LongString("rejected".into()));
@@ -211,7 +211,7 @@ mod tests {
         let mut h = FieldTable::default();
         h.insert("x-death".into(), AMQPValue::FieldArray(arr));
         h.insert(REPLAY_COUNT.into(), AMQPValue::LongInt(2));
-        BasicProperties::default().with_headers(h)
+        BasicProperties::default().with_headers(h).into()
     }
 
     #[test]
@@ -235,7 +235,7 @@ mod tests {
             first_death_str(&p, "reason").as_deref(),
             Some(first.reason.as_ref())
         );
-        let none = BasicProperties::default();
+        let none = Properties::default();
         assert_eq!(first_death_str(&none, "queue"), None);
     }
 
@@ -249,9 +249,11 @@ mod tests {
 
     #[test]
     fn identity_prefers_message_id() {
-        let p = BasicProperties::default().with_message_id("m-1".into());
+        let p = BasicProperties::default()
+            .with_message_id("m-1".into())
+            .into();
         assert_eq!(identity(&p, b"x"), "m-1");
-        let id = identity(&BasicProperties::default(), b"x");
+        let id = identity(&Properties::default(), b"x");
         assert!(id.starts_with("sha256:") && id.len() == 39, "{id}");
     }
 }

@@ -3,8 +3,7 @@
 use std::collections::HashMap;
 
 use crate::amqp::{
-    AMQPValue, AmqpError, BasicProperties, Channel, Confirm, Confirmation, Connection, FieldTable,
-    LongString,
+    AmqpError, BasicProperties, Channel, Confirm, Confirmation, Connection, Properties, TableWriter,
 };
 
 use crate::classify::Destination;
@@ -22,57 +21,108 @@ pub fn is_death_header(name: &str) -> bool {
 }
 
 /// Properties of a replayed message: death headers stripped, replay tags added, everything else
-/// kept.
+/// kept. The kept headers are copied as they came (bytes, order, and a name given twice stays
+/// twice); a tag the message carried already (an earlier replay's) is replaced.
 pub fn replay_properties(
-    props: &BasicProperties,
+    props: &Properties,
     replay_id: &str,
     key: Option<&str>,
     user: &str,
-) -> BasicProperties {
+) -> Properties {
     let previous = crate::message::replay_count(props);
-    let mut headers: FieldTable = FieldTable::default();
-    if let Some(h) = props.headers() {
-        for (k, v) in h.inner() {
-            if !is_death_header(k.as_str()) {
-                headers.insert(k.clone(), v.clone());
-            }
+    let count = previous.saturating_add(1).min(i64::MAX as u64) as i64;
+    let foreign = foreign_user(props.basic(), user);
+    let mut w = TableWriter::with_capacity(props.header_bytes().map_or(0, <[u8]>::len) + 96);
+    for e in entries(props) {
+        let replaced = e.name == REPLAY_ID
+            || e.name == REPLAY_COUNT
+            || (key.is_some() && e.name == IDEMPOTENCY_KEY)
+            || (foreign.is_some() && e.name == ORIGINAL_USER_ID);
+        if !is_death_header(e.name) && !replaced {
+            w.copy(&e);
         }
     }
-    headers.insert(REPLAY_ID.into(), long(replay_id));
-    headers.insert(
-        REPLAY_COUNT.into(),
-        AMQPValue::LongLongInt(previous.saturating_add(1).min(i64::MAX as u64) as i64),
-    );
+    w.long_string(REPLAY_ID, replay_id.as_bytes());
+    w.long_long(REPLAY_COUNT, count);
     if let Some(k) = key {
-        headers.insert(IDEMPOTENCY_KEY.into(), long(k));
+        w.long_string(IDEMPOTENCY_KEY, k.as_bytes());
     }
-    assertable(all_but(props, Omit::Headers), &mut headers, user).with_headers(headers)
+    finish(props.basic(), foreign, w)
 }
 
 /// Properties of a quarantined message: every header kept, the reason and replay id added.
 pub fn quarantine_properties(
-    props: &BasicProperties,
+    props: &Properties,
     replay_id: &str,
     reason: &str,
     user: &str,
-) -> BasicProperties {
-    let mut headers = props.headers().clone().unwrap_or_default();
-    headers.insert(QUARANTINE_REASON.into(), long(reason));
-    headers.insert(REPLAY_ID.into(), long(replay_id));
-    assertable(all_but(props, Omit::Headers), &mut headers, user).with_headers(headers)
+) -> Properties {
+    let foreign = foreign_user(props.basic(), user);
+    let mut w = TableWriter::with_capacity(props.header_bytes().map_or(0, <[u8]>::len) + 96);
+    for e in entries(props) {
+        let replaced = e.name == QUARANTINE_REASON
+            || e.name == REPLAY_ID
+            || (foreign.is_some() && e.name == ORIGINAL_USER_ID);
+        if !replaced {
+            w.copy(&e);
+        }
+    }
+    w.long_string(QUARANTINE_REASON, reason.as_bytes());
+    w.long_string(REPLAY_ID, replay_id.as_bytes());
+    finish(props.basic(), foreign, w)
+}
+
+/// The properties as the connection's `user` may publish them: a foreign `user-id` moves to the
+/// `x-original-user-id` header (see [`foreign_user`]); anything else is unchanged, the headers
+/// byte for byte.
+pub fn as_user(props: Properties, user: &str) -> Properties {
+    let Some(foreign) = foreign_user(props.basic(), user) else {
+        return props;
+    };
+    let mut w = TableWriter::with_capacity(props.header_bytes().map_or(0, <[u8]>::len) + 32);
+    for e in entries(&props).filter(|e| e.name != ORIGINAL_USER_ID) {
+        w.copy(&e);
+    }
+    finish(props.basic(), Some(foreign), w)
+}
+
+/// A message's header entries (none without headers).
+fn entries(props: &Properties) -> impl Iterator<Item = crate::amqp::Entry<'_>> {
+    props.headers().into_iter().flat_map(|t| t.entries())
+}
+
+/// RabbitMQ refuses (and closes the channel on) a `user-id` that differs from the connection's
+/// user: such a value (returned here) moves to a header instead, so the replay goes on and
+/// nothing is lost.
+fn foreign_user<'p>(basic: &'p BasicProperties, user: &str) -> Option<&'p str> {
+    basic
+        .user_id()
+        .as_ref()
+        .map(|u| u.as_str())
+        .filter(|u| *u != user)
+}
+
+/// The outgoing properties: `basic` (less a foreign `user-id`, kept in its header) with the
+/// table written.
+fn finish(basic: &BasicProperties, foreign: Option<&str>, mut w: TableWriter) -> Properties {
+    let basic = match foreign {
+        Some(u) => {
+            w.long_string(ORIGINAL_USER_ID, u.as_bytes());
+            all_but(basic, Omit::UserId)
+        }
+        None => basic.clone(),
+    };
+    Properties::from_parts(basic, Some(w.into_bytes()))
 }
 
 /// Which property [`all_but`] leaves out.
 #[derive(Clone, Copy, PartialEq)]
 enum Omit {
-    /// The caller sets its own, so the original table (with its `x-death` entries) is not
-    /// deep-copied only to be replaced.
-    Headers,
-    /// A `user-id` the connection's user may not assert (see [`assertable`]).
+    /// A `user-id` the connection's user may not assert (see [`foreign_user`]).
     UserId,
 }
 
-/// Every property of `p` but the one named.
+/// Every property of `p` but the one named (`p` holds no headers: see [`Properties`]).
 fn all_but(p: &BasicProperties, omit: Omit) -> BasicProperties {
     let mut out = BasicProperties::default();
     macro_rules! copy {
@@ -86,41 +136,10 @@ fn all_but(p: &BasicProperties, omit: Omit) -> BasicProperties {
         expiration => with_expiration, message_id => with_message_id,
         timestamp => with_timestamp, kind => with_type, app_id => with_app_id,
         cluster_id => with_cluster_id);
-    if omit != Omit::Headers {
-        copy!(headers => with_headers);
-    }
     if omit != Omit::UserId {
         copy!(user_id => with_user_id);
     }
     out
-}
-
-fn long(s: &str) -> AMQPValue {
-    AMQPValue::LongString(LongString::from(s))
-}
-
-/// The properties as the connection's `user` may publish them: a foreign `user-id` moves to the
-/// `x-original-user-id` header (see [`assertable`]); anything else is unchanged.
-pub fn as_user(props: BasicProperties, user: &str) -> BasicProperties {
-    match props.user_id() {
-        Some(u) if u.as_str() != user => {
-            let mut headers = props.headers().clone().unwrap_or_default();
-            assertable(props, &mut headers, user).with_headers(headers)
-        }
-        _ => props,
-    }
-}
-
-/// RabbitMQ refuses (and closes the channel on) a `user-id` that differs from the connection's
-/// user. Such a value moves to a header instead, so the replay goes on and nothing is lost.
-fn assertable(props: BasicProperties, headers: &mut FieldTable, user: &str) -> BasicProperties {
-    match props.user_id() {
-        Some(u) if u.as_str() != user => {
-            headers.insert(ORIGINAL_USER_ID.into(), long(u.as_str()));
-            all_but(&props, Omit::UserId)
-        }
-        _ => props,
-    }
 }
 
 /// The outcome of a confirmed publish: `Ok` when the broker took responsibility, else why not.
@@ -208,7 +227,7 @@ impl Publisher {
     pub fn send(
         &self,
         dest: &Destination,
-        props: BasicProperties,
+        props: Properties,
         body: &[u8],
     ) -> Result<Confirm, AmqpError> {
         // Destination names are at most 255 bytes: `classify::destination` guarantees it.
@@ -234,8 +253,13 @@ pub async fn confirming_channel(conn: &Connection) -> Result<Channel, Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::amqp::{AMQPValue, FieldTable, LongString};
 
-    fn props() -> BasicProperties {
+    fn long(s: &str) -> AMQPValue {
+        AMQPValue::LongString(LongString::from(s))
+    }
+
+    fn props() -> Properties {
         let mut h = FieldTable::default();
         h.insert("x-death".into(), AMQPValue::FieldArray(Default::default()));
         h.insert("x-first-death-queue".into(), long("work"));
@@ -243,15 +267,17 @@ mod tests {
         h.insert("x-delivery-count".into(), AMQPValue::LongInt(3));
         h.insert("x-exception-type".into(), long("TimeoutError"));
         h.insert(REPLAY_COUNT.into(), AMQPValue::ShortShortUInt(2));
+        h.insert(REPLAY_ID.into(), long("an-earlier-replay"));
         BasicProperties::default()
             .with_headers(h)
             .with_message_id("m1".into())
             .with_user_id("alice".into())
+            .into()
     }
 
     #[test]
     fn replay_strips_deaths_tags_and_keeps_the_rest() {
-        let p = replay_properties(&props(), "r1", Some("idem:abc"), "guest");
+        let p = replay_properties(&props(), "r1", Some("idem:abc"), "guest").to_basic();
         let h = p.headers().clone().unwrap();
         let keys: Vec<&str> = h.inner().keys().map(|k| k.as_str()).collect();
         assert_eq!(
@@ -265,13 +291,25 @@ mod tests {
             ]
         );
         assert_eq!(h.inner()[REPLAY_COUNT], AMQPValue::LongLongInt(3));
+        assert_eq!(h.inner()[REPLAY_ID], long("r1"));
+        assert_eq!(h.inner()[ORIGINAL_USER_ID], long("alice"));
         assert_eq!(p.message_id().as_ref().map(|m| m.as_str()), Some("m1"));
         assert_eq!(p.user_id(), &None);
+        // Each tag once: the earlier replay's id was replaced, not kept beside the new one.
+        let raw = replay_properties(&props(), "r1", Some("idem:abc"), "guest");
+        let ids = raw
+            .headers()
+            .unwrap()
+            .entries()
+            .filter(|e| e.name == REPLAY_ID)
+            .count();
+        assert_eq!(ids, 1);
     }
 
     #[test]
-    fn without_headers_keeps_every_other_property() {
-        let p = props()
+    fn every_other_property_is_kept() {
+        let basic = props()
+            .to_basic()
             .with_content_type("application/json".into())
             .with_content_encoding("gzip".into())
             .with_delivery_mode(2)
@@ -283,16 +321,45 @@ mod tests {
             .with_type("t".into())
             .with_app_id("a".into())
             .with_cluster_id("cl".into());
-        let h = p.headers().clone().unwrap();
-        assert_eq!(all_but(&p, Omit::Headers).with_headers(h), p);
+        let p = Properties::from(basic.clone());
+        let q = quarantine_properties(&p, "r1", "NotJson", "alice").to_basic();
+        assert_eq!(
+            all_but(p.basic(), Omit::UserId).with_user_id("alice".into()),
+            *p.basic()
+        );
+        assert_eq!(q.content_type(), basic.content_type());
+        assert_eq!(q.timestamp(), basic.timestamp());
+        assert_eq!(q.cluster_id(), basic.cluster_id());
+        assert_eq!(q.user_id(), basic.user_id());
     }
 
     #[test]
     fn own_user_id_is_kept_and_quarantine_keeps_deaths() {
-        let p = quarantine_properties(&props(), "r1", "NotJson", "alice");
+        let p = quarantine_properties(&props(), "r1", "NotJson", "alice").to_basic();
         assert_eq!(p.user_id().as_ref().map(|u| u.as_str()), Some("alice"));
         let h = p.headers().clone().unwrap();
         assert!(h.contains_key("x-death"));
         assert_eq!(h.inner()[QUARANTINE_REASON], long("NotJson"));
+        assert_eq!(h.inner()[REPLAY_ID], long("r1"));
+    }
+
+    #[test]
+    fn a_foreign_user_id_moves_to_its_header_and_the_rest_stays_byte_for_byte() {
+        let p = props();
+        let moved = as_user(p.clone(), "guest");
+        assert_eq!(moved.basic().user_id(), &None);
+        let kept: Vec<&[u8]> = moved.headers().unwrap().entries().map(|e| e.raw).collect();
+        let before: Vec<&[u8]> = p.headers().unwrap().entries().map(|e| e.raw).collect();
+        assert_eq!(&kept[..before.len()], &before[..]);
+        assert_eq!(
+            moved
+                .headers()
+                .unwrap()
+                .get(ORIGINAL_USER_ID)
+                .and_then(|v| v.as_str())
+                .as_deref(),
+            Some("alice")
+        );
+        assert_eq!(as_user(p.clone(), "alice"), p);
     }
 }

@@ -5,15 +5,13 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use amq_protocol::protocol::{
-    basic, channel, confirm, exchange, queue, AMQPClass, BasicProperties,
-};
+use amq_protocol::protocol::{basic, channel, confirm, exchange, queue, AMQPClass};
 use amq_protocol::types::{FieldTable, ShortString};
 use tokio::sync::mpsc;
 
 use super::conn::{route_hash, Inner, Reply, CLOSE_WAIT};
 use super::wire;
-use super::{AmqpError, Confirm, Delivery};
+use super::{AmqpError, Confirm, Delivery, Publishable};
 
 /// A channel of a [`super::Connection`]. Dropping it closes it (not awaited).
 pub struct Channel {
@@ -245,7 +243,7 @@ impl Channel {
         exchange: &str,
         routing_key: &str,
         mandatory: bool,
-        properties: BasicProperties,
+        properties: impl Publishable,
         body: &[u8],
     ) -> Result<Option<Confirm>, AmqpError> {
         let route = if mandatory {
@@ -254,15 +252,9 @@ impl Channel {
             0
         };
         let (id, frame_max) = (self.id, self.conn.shared.frame_max);
-        let publish = AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
-            exchange: exchange.into(),
-            routing_key: routing_key.into(),
-            mandatory,
-            immediate: false,
-        }));
         let encode = |out: &mut Vec<u8>| {
-            wire::method(out, id, publish)?;
-            wire::content(out, id, properties, body, frame_max)
+            wire::publish(out, id, exchange, routing_key, mandatory);
+            wire::content(out, id, &properties, body, frame_max)
         };
         let rx = self
             .conn

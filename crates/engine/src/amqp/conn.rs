@@ -5,7 +5,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use amq_protocol::protocol::{basic, channel, connection, AMQPClass, BasicProperties};
+use amq_protocol::protocol::{basic, channel, connection, AMQPClass};
 use amq_protocol::tcp::{AMQPUriTcpExt, TLSConfig};
 use amq_protocol::types::ShortString;
 use amq_protocol::uri::AMQPUri;
@@ -119,7 +119,7 @@ pub(crate) enum Kind {
 pub(crate) struct Incoming {
     pub(super) kind: Kind,
     pub(super) size: Option<u64>,
-    pub(super) properties: BasicProperties,
+    pub(super) properties: super::Properties,
     pub(super) body: Vec<u8>,
 }
 

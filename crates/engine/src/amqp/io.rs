@@ -6,13 +6,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use amq_protocol::frame::AMQPFrame;
-use amq_protocol::protocol::{basic, channel, connection, AMQPClass, BasicProperties};
+use amq_protocol::protocol::{basic, channel, connection, AMQPClass};
 use futures::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 
 use super::conn::{Chan, Incoming, Kind, Reply, Shared, State};
 use super::handshake::unexpected;
-use super::wire::{self, ReadBuf};
-use super::{AmqpError, Delivery};
+use super::wire::{self, Frame, ReadBuf};
+use super::{AmqpError, Delivery, Properties};
 
 /// Send what the channels queue, everything queued at once; a heartbeat when nothing else was
 /// sent for half the interval.
@@ -92,7 +92,12 @@ fn route_all(shared: &Shared, rb: &mut ReadBuf) -> Option<AmqpError> {
     let mut st = shared.lock();
     loop {
         match rb.next_frame() {
-            Ok(Some(frame)) => {
+            Ok(Some(Frame::Header(ch, size, properties))) => {
+                if let Some(chan) = st.channels.get_mut(&ch) {
+                    header(chan, size, properties);
+                }
+            }
+            Ok(Some(Frame::Amqp(frame))) => {
                 if let Some(e) = route(shared, &mut st, frame) {
                     return Some(e);
                 }
@@ -101,6 +106,15 @@ fn route_all(shared: &Shared, rb: &mut ReadBuf) -> Option<AmqpError> {
             Err(e) => return Some(e),
         }
     }
+}
+
+/// A content header: the message being received on `chan` has its size and properties.
+fn header(chan: &mut Chan, size: u64, properties: Properties) {
+    if let Some(inc) = chan.incoming.as_mut() {
+        inc.size = Some(size);
+        inc.properties = properties;
+    }
+    complete(chan);
 }
 
 /// Route one frame; `Some` ends the connection (with why).
@@ -137,21 +151,15 @@ fn route(shared: &Shared, st: &mut State, frame: AMQPFrame) -> Option<AmqpError>
             channel_method(chan, m);
             None
         }
-        AMQPFrame::Header(ch, h) => {
-            let chan = st.channels.get_mut(&ch)?;
-            if let Some(inc) = chan.incoming.as_mut() {
-                inc.size = Some(h.body_size);
-                inc.properties = h.properties;
-                inc.body.reserve_exact(h.body_size as usize);
-            }
-            complete(chan);
-            None
-        }
         AMQPFrame::Body(ch, data) => {
             let chan = st.channels.get_mut(&ch)?;
             if let Some(inc) = chan.incoming.as_mut() {
+                // The first frame's buffer becomes the body: a body of one frame (the usual
+                // case) is not copied, and one of several grows once to its whole size.
                 if inc.body.is_empty() {
                     inc.body = data;
+                    let size = inc.size.unwrap_or(0) as usize;
+                    inc.body.reserve_exact(size.saturating_sub(inc.body.len()));
                 } else {
                     inc.body.extend_from_slice(&data);
                 }
@@ -252,7 +260,7 @@ fn incoming(kind: Kind) -> Incoming {
     Incoming {
         kind,
         size: None,
-        properties: BasicProperties::default(),
+        properties: Properties::default(),
         body: Vec::new(),
     }
 }

@@ -22,6 +22,7 @@ mod conn;
 mod error;
 mod handshake;
 mod io;
+mod props;
 mod wire;
 
 pub use amq_protocol::protocol::BasicProperties;
@@ -29,6 +30,7 @@ pub use amq_protocol::types::{AMQPValue, FieldArray, FieldTable, LongString, Sho
 pub use channel::{Channel, Consumer, QueueDeclare};
 pub use conn::Connection;
 pub use error::AmqpError;
+pub use props::{Array, Entry, Properties, Publishable, Table, TableWriter, Value};
 
 /// A message taken from a queue (by a consumer or by `basic.get`).
 #[derive(Clone, Debug, PartialEq)]
@@ -41,8 +43,8 @@ pub struct Delivery {
     pub routing_key: ShortString,
     /// Whether it was delivered before.
     pub redelivered: bool,
-    /// Its properties (headers included).
-    pub properties: BasicProperties,
+    /// Its properties (headers included, kept as they came: see [`Properties`]).
+    pub properties: Properties,
     /// Its body.
     pub data: Vec<u8>,
 }

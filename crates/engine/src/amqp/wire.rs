@@ -2,11 +2,21 @@
 //! copy of the body into a frame value), and a read buffer that parses as many frames as a read
 //! brought.
 
-use amq_protocol::frame::{gen_frame, parse_frame, AMQPContentHeader, AMQPFrame};
-use amq_protocol::protocol::{AMQPClass, BasicProperties};
+use amq_protocol::frame::{gen_frame, parse_frame, AMQPFrame};
+use amq_protocol::protocol::AMQPClass;
 use futures::io::{AsyncRead, AsyncReadExt};
 
+use super::props::{self, Properties, Publishable};
 use super::AmqpError;
+
+/// A frame as the reader routes it: a content header parsed by [`props::parse_header`] (the
+/// headers kept as bytes), any other by amq-protocol.
+#[derive(Debug)]
+pub(crate) enum Frame {
+    Amqp(AMQPFrame),
+    /// A content header: channel, body size, properties.
+    Header(u16, u64, Properties),
+}
 
 /// Frame end octet.
 const FRAME_END: u8 = 0xCE;
@@ -26,20 +36,56 @@ pub(crate) fn frame(out: &mut Vec<u8>, f: &AMQPFrame) -> Result<(), AmqpError> {
     Ok(())
 }
 
+/// Append a `basic.publish` method frame, encoded in place (the names are not copied into
+/// short strings first). Names are short strings: the engine's are at most 255 bytes
+/// (`classify::destination` checks), longer ones are cut.
+pub(crate) fn publish(
+    out: &mut Vec<u8>,
+    channel: u16,
+    exchange: &str,
+    routing_key: &str,
+    mandatory: bool,
+) {
+    let start = begin(out, 1, channel);
+    out.extend_from_slice(&60u16.to_be_bytes());
+    out.extend_from_slice(&40u16.to_be_bytes());
+    out.extend_from_slice(&0u16.to_be_bytes());
+    for name in [exchange, routing_key] {
+        let n = name.len().min(255);
+        out.push(n as u8);
+        out.extend_from_slice(&name.as_bytes()[..n]);
+    }
+    out.push(u8::from(mandatory));
+    end(out, start);
+}
+
+/// Start a frame of `kind` on `channel`, its size to be filled in by [`end`]: where its
+/// payload starts.
+fn begin(out: &mut Vec<u8>, kind: u8, channel: u16) -> usize {
+    out.push(kind);
+    out.extend_from_slice(&channel.to_be_bytes());
+    out.extend_from_slice(&[0; 4]);
+    out.len()
+}
+
+/// End the frame whose payload started at `start`: its size, then the end octet.
+fn end(out: &mut Vec<u8>, start: usize) {
+    let size = (out.len() - start) as u32;
+    out[start - 4..start].copy_from_slice(&size.to_be_bytes());
+    out.push(FRAME_END);
+}
+
 /// Append a content header and the body frames (each at most `frame_max`).
 pub(crate) fn content(
     out: &mut Vec<u8>,
     channel: u16,
-    properties: BasicProperties,
+    properties: &impl Publishable,
     body: &[u8],
     frame_max: usize,
 ) -> Result<(), AmqpError> {
-    let header = AMQPContentHeader {
-        class_id: 60,
-        body_size: body.len() as u64,
-        properties,
-    };
-    frame(out, &AMQPFrame::Header(channel, header))?;
+    let start = begin(out, 2, channel);
+    properties.write_header(out, body.len() as u64);
+    end(out, start);
     let chunk = frame_max.saturating_sub(FRAME_OVERHEAD).max(1);
     out.reserve(body.len() + body.len().div_ceil(chunk) * FRAME_OVERHEAD);
     for part in body.chunks(chunk) {
@@ -74,19 +120,43 @@ impl ReadBuf {
     }
 
     /// The next whole frame in the buffer, if there is one.
-    pub(crate) fn next_frame(&mut self) -> Result<Option<AMQPFrame>, AmqpError> {
+    pub(crate) fn next_frame(&mut self) -> Result<Option<Frame>, AmqpError> {
         if self.start == self.end {
             return Ok(None);
         }
         let input = &self.buf[self.start..self.end];
+        if input[0] == 2 {
+            return self.next_header();
+        }
         match parse_frame(input) {
             Ok((rest, frame)) => {
                 self.start = self.end - rest.len();
-                Ok(Some(frame))
+                Ok(Some(Frame::Amqp(frame)))
             }
             Err(e) if e.is_incomplete() => Ok(None),
             Err(e) => Err(AmqpError::Protocol(format!("cannot parse a frame: {e:?}"))),
         }
+    }
+
+    /// The content header frame at the start of the buffer, if it is all there.
+    fn next_header(&mut self) -> Result<Option<Frame>, AmqpError> {
+        let input = &self.buf[self.start..self.end];
+        let Some(head) = input.get(..7) else {
+            return Ok(None);
+        };
+        let channel = u16::from_be_bytes([head[1], head[2]]);
+        let size = u32::from_be_bytes([head[3], head[4], head[5], head[6]]) as usize;
+        let Some(&last) = input.get(7 + size) else {
+            return Ok(None);
+        };
+        if last != FRAME_END {
+            return Err(AmqpError::Protocol(
+                "cannot parse a frame: a content header does not end with the frame end".into(),
+            ));
+        }
+        let (body_size, properties) = props::parse_header(&input[7..7 + size])?;
+        self.start += 7 + size + 1;
+        Ok(Some(Frame::Header(channel, body_size, properties)))
     }
 
     /// Read more from `r` (at least one byte, or an error: end of stream is one).
@@ -115,8 +185,14 @@ pub(crate) async fn read_frame<R: AsyncRead + Unpin>(
     rb: &mut ReadBuf,
 ) -> Result<AMQPFrame, AmqpError> {
     loop {
-        if let Some(f) = rb.next_frame()? {
-            return Ok(f);
+        match rb.next_frame()? {
+            Some(Frame::Amqp(f)) => return Ok(f),
+            Some(Frame::Header(..)) => {
+                return Err(AmqpError::Protocol(
+                    "a content header before the connection was open".into(),
+                ))
+            }
+            None => {}
         }
         rb.fill(r).await?;
     }

@@ -172,6 +172,8 @@ pub(super) struct Drain<'a> {
     claim_value: String,
     source: Option<Source>,
     publisher: publish::Publisher,
+    /// Where quarantined messages go: the quarantine queue, through the default exchange.
+    quarantine: Destination,
     pub(super) store: Store,
     /// The same connection, for the next step's lookup while a step's commit is on its way.
     gate_store: Store,
@@ -262,6 +264,10 @@ impl<'a> Drain<'a> {
             claim_value: store::claim_value(&state.replay_id, state.attempt),
             source: Some(source),
             publisher,
+            quarantine: Destination {
+                exchange: String::new(),
+                routing_key: replay.spec.quarantine.queue.clone(),
+            },
             gate_store: store.clone(),
             store,
             limiter: crate::pass::limiter(&replay.spec),

@@ -1,10 +1,9 @@
 //! The publish stage: a step's quarantines and replays go out without waiting (`send`); its
 //! confirms are awaited when the step lands (`resolve`), so the next steps publish meanwhile.
 
-use crate::amqp::{BasicProperties, Confirm};
+use crate::amqp::{Confirm, Properties};
 
 use super::{Act, Drain, Item};
-use crate::classify::Destination;
 use crate::publish;
 use crate::Error;
 
@@ -20,10 +19,15 @@ impl Drain<'_> {
         self.publisher.ensure_open().await?;
         let mut out = Vec::new();
         for (i, item) in items.iter_mut().enumerate() {
-            let Some((dest, props)) = self.outgoing(item).await else {
+            let Some(props) = self.outgoing(item).await else {
                 continue;
             };
-            match self.publisher.send(&dest, props, &item.delivery.data) {
+            // Where it goes, borrowed from its act (a replay's destination, or the quarantine).
+            let dest = match &item.act {
+                Act::Replay(dest) => dest,
+                _ => &self.quarantine,
+            };
+            match self.publisher.send(dest, props, &item.delivery.data) {
                 Ok(confirm) => out.push((i, confirm)),
                 // Refused before it left (e.g. the channel is closed): it was not sent.
                 Err(e) => item.act = Act::Failed(format!("NotSent: {e}")),
@@ -32,36 +36,33 @@ impl Drain<'_> {
         Ok(out)
     }
 
-    /// Where an item goes and as what, or `None` when it is not published (or cannot be: its
-    /// act then says why).
-    async fn outgoing(&mut self, item: &mut Item) -> Option<(Destination, BasicProperties)> {
+    /// The properties an item is published with (to the destination its act names, or the
+    /// quarantine), or `None` when it is not published (or cannot be: its act then says why).
+    async fn outgoing(&mut self, item: &mut Item) -> Option<Properties> {
         let props = &item.delivery.properties;
         match &item.act {
             Act::Quarantine(reason) => {
                 let user = self.publisher.user();
-                let quarantine = Destination {
-                    exchange: String::new(),
-                    routing_key: self.replay.spec.quarantine.queue.clone(),
-                };
-                let p = publish::quarantine_properties(props, &self.replay_id, reason, user);
-                Some((quarantine, p))
+                Some(publish::quarantine_properties(
+                    props,
+                    &self.replay_id,
+                    reason,
+                    user,
+                ))
             }
             Act::Replay(dest) => {
-                let dest = dest.clone();
-                match self.publisher.exchange_exists(&dest.exchange).await {
-                    Ok(true) => {}
-                    Ok(false) => {
-                        item.act = Act::Failed(format!(
-                            "NoExchange: exchange {:?} does not exist",
-                            dest.exchange
-                        ));
-                        return None;
-                    }
+                let not_sent = match self.publisher.exchange_exists(&dest.exchange).await {
+                    Ok(true) => None,
+                    Ok(false) => Some(format!(
+                        "NoExchange: exchange {:?} does not exist",
+                        dest.exchange
+                    )),
                     // Not sent: earlier publishes of the step still land with their confirms.
-                    Err(e) => {
-                        item.act = Act::Failed(format!("NotSent: {e}"));
-                        return None;
-                    }
+                    Err(e) => Some(format!("NotSent: {e}")),
+                };
+                if let Some(why) = not_sent {
+                    item.act = Act::Failed(why);
+                    return None;
                 }
                 if let Some(l) = &self.limiter {
                     // At a low rate a step waits for its tokens: a stop ends the wait, and what
@@ -77,9 +78,12 @@ impl Drain<'_> {
                     }
                 }
                 let user = self.publisher.user();
-                let p =
-                    publish::replay_properties(props, &self.replay_id, item.key.as_deref(), user);
-                Some((dest, p))
+                Some(publish::replay_properties(
+                    props,
+                    &self.replay_id,
+                    item.key.as_deref(),
+                    user,
+                ))
             }
             _ => None,
         }
@@ -107,12 +111,14 @@ impl Drain<'_> {
         for (i, res) in idx.into_iter().zip(results) {
             let item = &mut items[i];
             let unconfirmed = res.is_err();
-            item.act = match (publish::outcome(res), &item.act) {
-                (Ok(()), Act::Replay(d)) => Act::Replayed(d.clone()),
-                (Ok(()), Act::Quarantine(r)) => Act::Quarantined(r.clone()),
+            // Taken, not cloned: the act's destination or reason moves into its outcome.
+            let act = std::mem::replace(&mut item.act, Act::Leftover);
+            item.act = match (publish::outcome(res), act) {
+                (Ok(()), Act::Replay(d)) => Act::Replayed(d),
+                (Ok(()), Act::Quarantine(r)) => Act::Quarantined(r),
                 (Err(why), _) if unconfirmed => Act::Unknown(why),
                 (Err(why), _) => Act::Failed(why),
-                (Ok(()), other) => other.clone(),
+                (Ok(()), other) => other,
             };
         }
         self.explain_not_sent(items);
