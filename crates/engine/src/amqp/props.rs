@@ -134,10 +134,21 @@ impl<'a> Table<'a> {
     /// The value of `name` (the last one, if the table names it twice: as a `FieldTable` would
     /// keep it).
     pub fn get(self, name: &str) -> Option<Value<'a>> {
-        self.entries()
-            .filter(|e| e.name == name)
-            .last()
-            .map(|e| e.value)
+        // Every read of a header walks its table: names are compared as bytes and values
+        // skipped by their sizes, and only the one found is read.
+        let want = name.as_bytes();
+        let mut rest = self.0;
+        let mut found = None;
+        while let Some((&n, after)) = rest.split_first() {
+            let key = after.get(..usize::from(n))?;
+            let at = &after[usize::from(n)..];
+            let len = Value::size(at)?;
+            if key == want {
+                found = Some(at);
+            }
+            rest = at.get(len..)?;
+        }
+        Value::read(found?, 0).map(|(v, _)| v)
     }
 
     /// Whether it holds `name`.
@@ -244,6 +255,23 @@ fn sized(input: &[u8]) -> Option<(&[u8], usize)> {
 }
 
 impl<'a> Value<'a> {
+    /// The bytes the value at the start of `input` takes (type octet included), without
+    /// reading it.
+    fn size(input: &[u8]) -> Option<usize> {
+        let (&ty, rest) = input.split_first()?;
+        let len = match ty {
+            b't' | b'b' | b'B' => 1,
+            b's' | b'U' | b'u' => 2,
+            b'I' | b'i' | b'f' => 4,
+            b'D' => 5,
+            b'l' | b'L' | b'd' | b'T' => 8,
+            b'S' | b'x' | b'A' | b'F' => 4 + u32::from_be_bytes(be(rest)?) as usize,
+            b'V' => 0,
+            _ => return None,
+        };
+        Some(1 + len)
+    }
+
     /// The value at the start of `input` (type octet first) and the bytes it takes; `None`
     /// when it is not a valid value (checked in depth at parse time, see [`validate`]).
     fn read(input: &'a [u8], depth: usize) -> Option<(Value<'a>, usize)> {
@@ -783,6 +811,19 @@ mod tests {
             t.inner().get("dec"),
             full().headers().as_ref().unwrap().inner().get("dec")
         );
+    }
+
+    #[test]
+    fn get_finds_what_the_entries_hold() {
+        let p = Properties::from(full());
+        let h = p.headers().unwrap();
+        for e in h.entries() {
+            assert_eq!(h.get(e.name), Some(e.value), "{}", e.name);
+            assert_eq!(
+                Value::size(&e.raw[1 + e.name.len()..]),
+                Some(e.raw.len() - 1 - e.name.len())
+            );
+        }
     }
 
     #[test]
