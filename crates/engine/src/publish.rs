@@ -3,7 +3,8 @@
 use std::collections::HashMap;
 
 use crate::amqp::{
-    AmqpError, BasicProperties, Channel, Confirm, Confirmation, Connection, Properties, TableWriter,
+    props, AmqpError, BasicProperties, Channel, Confirm, Confirmation, Connection, Properties,
+    TableWriter,
 };
 
 use crate::classify::Destination;
@@ -108,38 +109,11 @@ fn finish(basic: &BasicProperties, foreign: Option<&str>, mut w: TableWriter) ->
     let basic = match foreign {
         Some(u) => {
             w.long_string(ORIGINAL_USER_ID, u.as_bytes());
-            all_but(basic, Omit::UserId)
+            props::basic_but(basic, false)
         }
         None => basic.clone(),
     };
     Properties::from_parts(basic, Some(w.into_bytes()))
-}
-
-/// Which property [`all_but`] leaves out.
-#[derive(Clone, Copy, PartialEq)]
-enum Omit {
-    /// A `user-id` the connection's user may not assert (see [`foreign_user`]).
-    UserId,
-}
-
-/// Every property of `p` but the one named (`p` holds no headers: see [`Properties`]).
-fn all_but(p: &BasicProperties, omit: Omit) -> BasicProperties {
-    let mut out = BasicProperties::default();
-    macro_rules! copy {
-        ($($get:ident => $set:ident),*) => {$(
-            if let Some(v) = p.$get().clone() { out = out.$set(v); }
-        )*};
-    }
-    copy!(content_type => with_content_type, content_encoding => with_content_encoding,
-        delivery_mode => with_delivery_mode, priority => with_priority,
-        correlation_id => with_correlation_id, reply_to => with_reply_to,
-        expiration => with_expiration, message_id => with_message_id,
-        timestamp => with_timestamp, kind => with_type, app_id => with_app_id,
-        cluster_id => with_cluster_id);
-    if omit != Omit::UserId {
-        copy!(user_id => with_user_id);
-    }
-    out
 }
 
 /// The outcome of a confirmed publish: `Ok` when the broker took responsibility, else why not.
@@ -324,7 +298,7 @@ mod tests {
         let p = Properties::from(basic.clone());
         let q = quarantine_properties(&p, "r1", "NotJson", "alice").to_basic();
         assert_eq!(
-            all_but(p.basic(), Omit::UserId).with_user_id("alice".into()),
+            props::basic_but(p.basic(), false).with_user_id("alice".into()),
             *p.basic()
         );
         assert_eq!(q.content_type(), basic.content_type());

@@ -22,7 +22,7 @@ mod conn;
 mod error;
 mod handshake;
 mod io;
-mod props;
+pub mod props;
 mod wire;
 
 pub use amq_protocol::protocol::BasicProperties;

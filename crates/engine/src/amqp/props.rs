@@ -97,6 +97,12 @@ fn without_headers(p: BasicProperties) -> BasicProperties {
     if p.headers().is_none() {
         return p;
     }
+    basic_but(&p, true)
+}
+
+/// Every property of `p` but its headers, and but its `user-id` unless `user_id`: what a
+/// publish as another user keeps (RabbitMQ refuses a `user-id` that is not the connection's).
+pub fn basic_but(p: &BasicProperties, user_id: bool) -> BasicProperties {
     let mut out = BasicProperties::default();
     macro_rules! copy {
         ($($get:ident => $set:ident),*) => {$(
@@ -107,8 +113,11 @@ fn without_headers(p: BasicProperties) -> BasicProperties {
         delivery_mode => with_delivery_mode, priority => with_priority,
         correlation_id => with_correlation_id, reply_to => with_reply_to,
         expiration => with_expiration, message_id => with_message_id,
-        timestamp => with_timestamp, kind => with_type, user_id => with_user_id,
-        app_id => with_app_id, cluster_id => with_cluster_id);
+        timestamp => with_timestamp, kind => with_type, app_id => with_app_id,
+        cluster_id => with_cluster_id);
+    if user_id {
+        copy!(user_id => with_user_id);
+    }
     out
 }
 
