@@ -42,14 +42,14 @@ const DELIVERY_COUNT: &str = "x-delivery-count";
 /// The properties of a moved copy: everything but the broker's redelivery count, the other
 /// headers byte for byte.
 pub fn copy_properties(props: &Properties) -> Properties {
-    let Some(h) = props.headers().filter(|h| h.contains(DELIVERY_COUNT)) else {
-        return props.clone();
-    };
-    let mut w = TableWriter::with_capacity(props.header_bytes().map_or(0, <[u8]>::len));
-    for e in h.entries().filter(|e| e.name != DELIVERY_COUNT) {
-        w.copy(&e);
-    }
-    props.with_header_bytes(Some(w.into_bytes()))
+    without_count(props).unwrap_or_else(|| props.clone())
+}
+
+/// `props` less the redelivery count, or `None` when they hold none (a copy would be `props`).
+fn without_count(props: &Properties) -> Option<Properties> {
+    props.headers().filter(|h| h.contains(DELIVERY_COUNT))?;
+    let w = TableWriter::copy_of(props, 0, |name| name == DELIVERY_COUNT);
+    Some(props.with_header_bytes(Some(w.into_bytes())))
 }
 
 /// A digest of the whole message as a copy would carry it (properties, headers, body): two
@@ -60,10 +60,9 @@ pub fn copy_properties(props: &Properties) -> Properties {
 pub fn digest(props: &Properties, body: &[u8]) -> String {
     let mut header = Vec::with_capacity(64 + props.header_bytes().map_or(0, <[u8]>::len));
     // Copied only when there is a redelivery count to leave out.
-    if props.headers().is_some_and(|h| h.contains(DELIVERY_COUNT)) {
-        copy_properties(props).write_header(&mut header, body.len() as u64);
-    } else {
-        props.write_header(&mut header, body.len() as u64);
+    match without_count(props) {
+        Some(copy) => copy.write_header(&mut header, body.len() as u64),
+        None => props.write_header(&mut header, body.len() as u64),
     }
     let mut h = Sha256::new();
     h.update(&header);

@@ -33,16 +33,13 @@ pub fn replay_properties(
     let previous = crate::message::replay_count(props);
     let count = previous.saturating_add(1).min(i64::MAX as u64) as i64;
     let foreign = foreign_user(props.basic(), user);
-    let mut w = TableWriter::with_capacity(props.header_bytes().map_or(0, <[u8]>::len) + 96);
-    for e in entries(props) {
-        let replaced = e.name == REPLAY_ID
-            || e.name == REPLAY_COUNT
-            || (key.is_some() && e.name == IDEMPOTENCY_KEY)
-            || (foreign.is_some() && e.name == ORIGINAL_USER_ID);
-        if !is_death_header(e.name) && !replaced {
-            w.copy(&e);
-        }
-    }
+    let mut w = TableWriter::copy_of(props, 96, |name| {
+        is_death_header(name)
+            || name == REPLAY_ID
+            || name == REPLAY_COUNT
+            || (key.is_some() && name == IDEMPOTENCY_KEY)
+            || (foreign.is_some() && name == ORIGINAL_USER_ID)
+    });
     w.long_string(REPLAY_ID, replay_id.as_bytes());
     w.long_long(REPLAY_COUNT, count);
     if let Some(k) = key {
@@ -59,15 +56,11 @@ pub fn quarantine_properties(
     user: &str,
 ) -> Properties {
     let foreign = foreign_user(props.basic(), user);
-    let mut w = TableWriter::with_capacity(props.header_bytes().map_or(0, <[u8]>::len) + 96);
-    for e in entries(props) {
-        let replaced = e.name == QUARANTINE_REASON
-            || e.name == REPLAY_ID
-            || (foreign.is_some() && e.name == ORIGINAL_USER_ID);
-        if !replaced {
-            w.copy(&e);
-        }
-    }
+    let mut w = TableWriter::copy_of(props, 96, |name| {
+        name == QUARANTINE_REASON
+            || name == REPLAY_ID
+            || (foreign.is_some() && name == ORIGINAL_USER_ID)
+    });
     w.long_string(QUARANTINE_REASON, reason.as_bytes());
     w.long_string(REPLAY_ID, replay_id.as_bytes());
     finish(props.basic(), foreign, w)
@@ -80,16 +73,8 @@ pub fn as_user(props: Properties, user: &str) -> Properties {
     let Some(foreign) = foreign_user(props.basic(), user) else {
         return props;
     };
-    let mut w = TableWriter::with_capacity(props.header_bytes().map_or(0, <[u8]>::len) + 32);
-    for e in entries(&props).filter(|e| e.name != ORIGINAL_USER_ID) {
-        w.copy(&e);
-    }
+    let w = TableWriter::copy_of(&props, 32, |name| name == ORIGINAL_USER_ID);
     finish(props.basic(), Some(foreign), w)
-}
-
-/// A message's header entries (none without headers).
-fn entries(props: &Properties) -> impl Iterator<Item = crate::amqp::Entry<'_>> {
-    props.headers().into_iter().flat_map(|t| t.entries())
 }
 
 /// RabbitMQ refuses (and closes the channel on) a `user-id` that differs from the connection's

@@ -50,11 +50,8 @@ pub(crate) fn publish(
     out.extend_from_slice(&60u16.to_be_bytes());
     out.extend_from_slice(&40u16.to_be_bytes());
     out.extend_from_slice(&0u16.to_be_bytes());
-    for name in [exchange, routing_key] {
-        let n = name.len().min(255);
-        out.push(n as u8);
-        out.extend_from_slice(&name.as_bytes()[..n]);
-    }
+    props::short_string(out, exchange);
+    props::short_string(out, routing_key);
     out.push(u8::from(mandatory));
     end(out, start);
 }
@@ -89,11 +86,9 @@ pub(crate) fn content(
     let chunk = frame_max.saturating_sub(FRAME_OVERHEAD).max(1);
     out.reserve(body.len() + body.len().div_ceil(chunk) * FRAME_OVERHEAD);
     for part in body.chunks(chunk) {
-        out.push(3);
-        out.extend_from_slice(&channel.to_be_bytes());
-        out.extend_from_slice(&(part.len() as u32).to_be_bytes());
+        let start = begin(out, 3, channel);
         out.extend_from_slice(part);
-        out.push(FRAME_END);
+        end(out, start);
     }
     Ok(())
 }
