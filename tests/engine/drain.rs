@@ -174,3 +174,107 @@ async fn odd_bodies_and_every_header_type_pass_through_unchanged(t: Target) {
     }
     w.cleanup().await;
 }
+
+// A consumer besides the replay's on the dead-letter queue (after a kill -9, the killed run's
+// connection until the broker closes it) holds messages the queue's depth does not count: the
+// pass waits `Pending`, naming why, and drains all of them once it is gone.
+matrix!(a_pass_waits_for_another_consumer_holding_dead_letters_to_go);
+async fn a_pass_waits_for_another_consumer_holding_dead_letters_to_go(t: Target) {
+    let w = World::on("others", &t).await;
+    w.dead_letter((0..6).map(|i| job(&format!("o{i}"), json!({}))).collect())
+        .await;
+    let (other, _held) = hold(&w, 3).await;
+    let (run, mut rx) = spawn_run(&w);
+    let msg = until_waiting(&mut rx).await;
+    assert!(msg.contains(&w.topo.dlq), "{msg}");
+    assert_eq!(
+        w.depth(&w.topo.work).await,
+        0,
+        "nothing taken while it waits"
+    );
+    other.close(200, "bye".into()).await.unwrap();
+    let status = run.await.unwrap().unwrap();
+    assert_eq!(status.phase, Some(Phase::Done), "{status:?}");
+    assert_eq!(status.counts.replayed, 6, "{status:?}");
+    assert_eq!(w.depth(&w.topo.dlq).await, 0);
+    let mut got = ids(&w.take(&w.topo.work).await);
+    got.sort();
+    assert_eq!(got, ["o0", "o1", "o2", "o3", "o4", "o5"]);
+    w.cleanup().await;
+}
+
+// One that stays (another application, or a consumer whose node is down, which a quorum queue
+// lists until the node is back) holds the pass a few seconds only: it then drains what it can.
+matrix!(a_pass_goes_on_without_another_consumer_that_stays: classic_3_10, quorum_4_x);
+async fn a_pass_goes_on_without_another_consumer_that_stays(t: Target) {
+    let w = World::on("others-stay", &t).await;
+    w.dead_letter((0..5).map(|i| job(&format!("s{i}"), json!({}))).collect())
+        .await;
+    let (other, _held) = hold(&w, 2).await;
+    let (run, mut rx) = spawn_run(&w);
+    until_waiting(&mut rx).await;
+    let status = run.await.unwrap().unwrap();
+    assert_eq!(status.phase, Some(Phase::Done), "{status:?}");
+    assert_eq!(status.counts.replayed, 3, "{status:?}");
+    other.close(200, "bye".into()).await.unwrap();
+    assert_eq!(w.depth(&w.topo.dlq).await, 2, "what it held went back");
+    w.cleanup().await;
+}
+
+/// A consumer of the world's DLQ on a connection of its own, holding `n` messages unacked (its
+/// connection and the consumer, kept as long as the holding lasts).
+async fn hold(w: &World, n: u16) -> (lapin::Connection, lapin::Consumer) {
+    use futures::StreamExt;
+    use lapin::options::{BasicConsumeOptions, BasicQosOptions};
+    let other = dlq_replay::fixture::connect(w.amqp_url(), &format!("{}-other", w.tag))
+        .await
+        .unwrap();
+    let ch = other.create_channel().await.unwrap();
+    ch.basic_qos(n, BasicQosOptions::default()).await.unwrap();
+    let mut held = ch
+        .basic_consume(
+            w.topo.dlq.as_str().into(),
+            "other".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    for _ in 0..n {
+        held.next().await.unwrap().unwrap();
+    }
+    (other, held)
+}
+
+type Running = tokio::task::JoinHandle<Result<dlq_replay::api::ReplayStatus, dlq_replay::Error>>;
+
+fn spawn_run(
+    w: &World,
+) -> (
+    Running,
+    tokio::sync::watch::Receiver<dlq_replay::api::ReplayStatus>,
+) {
+    let replay = w.replay(&w.manifest(""));
+    let (tx, rx) = tokio::sync::watch::channel(Default::default());
+    let run = tokio::spawn(async move {
+        dlq_replay::engine::run(&replay, &Default::default(), &tx, &Default::default()).await
+    });
+    (run, rx)
+}
+
+/// The status message once the run says it waits for the other consumers.
+async fn until_waiting(
+    rx: &mut tokio::sync::watch::Receiver<dlq_replay::api::ReplayStatus>,
+) -> String {
+    loop {
+        let status = rx.borrow_and_update().clone();
+        let msg = status.message.unwrap_or_default();
+        if msg.starts_with("OtherConsumers") {
+            assert_eq!(status.phase, Some(Phase::Pending), "{msg}");
+            return msg;
+        }
+        if rx.changed().await.is_err() {
+            panic!("the run ended without waiting for the other consumer: {msg}");
+        }
+    }
+}

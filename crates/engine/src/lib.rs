@@ -228,8 +228,10 @@ pub async fn run(
     let mut lost_since: Option<tokio::time::Instant> = None;
     let mut delays = reconnect_delays();
     let mut last = progress.borrow().clone();
+    let mut first = true;
     loop {
-        let why = match run_pass(replay, opts, progress, cancel).await {
+        let after = !std::mem::replace(&mut first, false);
+        let why = match run_pass(replay, opts, progress, cancel, after).await {
             // `Pass::run` turns a Pending end into Again or Ended (`pass::pending_wait`).
             Ok(PassEnd::Ended(status) | PassEnd::Pending(status, _)) => return Ok(status),
             Ok(PassEnd::Again(status)) => {
@@ -303,14 +305,16 @@ pub fn backoff(max: Duration) -> backon::ExponentialBackoff {
         .build()
 }
 
-/// One pass on fresh connections ([`pass`]): its context opened once, then its stages.
+/// One pass on fresh connections ([`pass`]): its context opened once, then its stages; `after`:
+/// it follows a pass of this run.
 async fn run_pass(
     replay: &Replay,
     opts: &Options,
     progress: &Progress,
     cancel: &CancellationToken,
+    after: bool,
 ) -> Result<PassEnd, Error> {
-    let end = match Pass::open(replay, opts, progress, cancel).await? {
+    let end = match Pass::open(replay, opts, progress, cancel, after).await? {
         Opened::Ended(status) => PassEnd::Ended(status),
         Opened::Lost(status, why) => PassEnd::Lost(status, why),
         Opened::Ready(pass) => match pass.run().await {
