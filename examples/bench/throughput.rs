@@ -23,10 +23,12 @@ pub(crate) async fn throughput_section(b: &mut Bench, sections: &[Section], n: u
     let mut check = vec![Vec::new(); sections.len()];
     let mut claim = vec![Vec::new(); sections.len()];
     let mut bare = vec![Vec::new(); sections.len()];
+    let mut routed = vec![Vec::new(); sections.len()];
     let window = b.window();
     // BENCH_ROWS picks the rows (default all): e.g. `check,claim` with a count-allocs or a
     // BENCH_WRAP'd (callgrind) binary.
-    let rows_env = std::env::var("BENCH_ROWS").unwrap_or_else(|_| "shovel,bare,check,claim".into());
+    let rows_env =
+        std::env::var("BENCH_ROWS").unwrap_or_else(|_| "shovel,bare,routed,check,claim".into());
     let rows: Vec<&str> = rows_env.split(',').map(str::trim).collect();
     println!(
         "\n== throughput: N = {n} messages of ~{BODY_BYTES} B JSON, {reps} runs each, alternating; sections: {}",
@@ -43,7 +45,10 @@ pub(crate) async fn throughput_section(b: &mut Bench, sections: &[Section], n: u
                 shovel[i].push(b.shovel(s, rep, n).await);
             }
             if rows.contains(&"bare") {
-                bare[i].push(b.bare(s, rep, n, window).await);
+                bare[i].push(b.bare(s, rep, n, window, BareTo::OwnQueue).await);
+            }
+            if rows.contains(&"routed") {
+                routed[i].push(b.bare(s, rep, n, window, BareTo::Original).await);
             }
             if rows.contains(&"check") {
                 check[i].push(
@@ -87,6 +92,7 @@ pub(crate) async fn throughput_section(b: &mut Bench, sections: &[Section], n: u
         for (name, runs) in [
             ("shovel (on-confirm)", &shovel[i]),
             ("bare client", &bare[i]),
+            ("bare, routed", &routed[i]),
             ("dlq-replay Check", &check[i]),
             ("dlq-replay Claim", &claim[i]),
         ] {
@@ -94,7 +100,7 @@ pub(crate) async fn throughput_section(b: &mut Bench, sections: &[Section], n: u
         }
     }
     println!(
-        "\n== cost per message (medians; CPU us per DLQ message; Redis: its own INFO cpu and commandstats, commands per replayed message; allocations per replayed message when the binary was built with --features count-allocs; bare client: consume (prefetch as dlq-replay), publish with at most {window} unconfirmed, ack the oldest half-window with one multiple ack once confirmed, in this harness)"
+        "\n== cost per message (medians; CPU us per DLQ message; Redis: its own INFO cpu and commandstats, commands per replayed message; allocations per replayed message when the binary was built with --features count-allocs; bare client: consume (prefetch as dlq-replay), publish with at most {window} unconfirmed to a queue of its own through the default exchange (as Shovel's dest-queue), ack the oldest half-window with one multiple ack once confirmed, in this harness; bare, routed: the same, publishing where dlq-replay does, through the dead letter's exchange and routing key into its work queue; vs bare: against the bare client's median)"
     );
     println!(
         "{:<19} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>9} {:>9}",
@@ -115,6 +121,7 @@ pub(crate) async fn throughput_section(b: &mut Bench, sections: &[Section], n: u
         for (name, runs) in [
             ("shovel (on-confirm)", &shovel[i]),
             ("bare client", &bare[i]),
+            ("bare, routed", &routed[i]),
             ("dlq-replay Check", &check[i]),
             ("dlq-replay Claim", &claim[i]),
         ] {
@@ -272,16 +279,35 @@ impl Bench {
 
     /// The ceiling at a window: a bare client (the engine's own AMQP client, `engine::amqp`)
     /// in this process that consumes the DLQ (prefetch = window) on one connection, publishes
-    /// each message to a plain queue of the same type with confirms on another, keeps at most
-    /// `window` publishes unconfirmed, and acks each original once its copy is confirmed. No
-    /// Redis, no decisions: what the two connections and the broker cost. Its CPU is this
-    /// harness's over the run.
-    pub(crate) async fn bare(&mut self, s: &Section, rep: usize, n: usize, window: usize) -> Run {
+    /// each message with confirms on another (`to`: a plain queue of the same type, or where
+    /// dlq-replay publishes), keeps at most `window` publishes unconfirmed, and acks each
+    /// original once its copy is confirmed. No Redis, no decisions: what the two connections
+    /// and the broker cost. Its CPU is this harness's over the run.
+    pub(crate) async fn bare(
+        &mut self,
+        s: &Section,
+        rep: usize,
+        n: usize,
+        window: usize,
+        to: BareTo,
+    ) -> Run {
         use engine::amqp::{Confirmation, Connection, QueueDeclare};
         use std::collections::VecDeque;
-        let prefix = self.prefix(&format!("{}bare{rep}", s.tag));
+        let label = match to {
+            BareTo::OwnQueue => "bare",
+            BareTo::Original => "routed",
+        };
+        let prefix = self.prefix(&format!("{}{label}{rep}", s.tag));
         let topo = self.build_dlq(s, &prefix, n, &[]).await;
-        let dest = format!("{prefix}.dest");
+        let own = format!("{prefix}.dest");
+        let (exchange, key, dest) = match to {
+            BareTo::OwnQueue => ("", own.as_str(), own.as_str()),
+            BareTo::Original => (
+                topo.exchange.as_str(),
+                dlq_replay::fixture::ROUTING_KEY,
+                topo.work.as_str(),
+            ),
+        };
         let amqp = self.brokers[s.broker].amqp.clone();
         let src_conn = Connection::connect(&amqp, "bench bare source")
             .await
@@ -295,9 +321,11 @@ impl Bench {
             durable: true,
             ..Default::default()
         };
-        publ.queue_declare(&dest, durable, topo.queue_args())
-            .await
-            .expect("dest queue");
+        if to == BareTo::OwnQueue {
+            publ.queue_declare(dest, durable, topo.queue_args())
+                .await
+                .expect("dest queue");
+        }
         publ.confirm_select().await.expect("confirms");
         // The prefetch dlq-replay uses for the same window (deliveries waiting in the client are
         // no risk: not yet published); the window bounds the unconfirmed publishes.
@@ -325,7 +353,7 @@ impl Bench {
                     break;
                 };
                 let confirm = publ
-                    .basic_publish("", &dest, true, d.properties.clone(), &d.data)
+                    .basic_publish(exchange, key, true, d.properties.clone(), &d.data)
                     .expect("publish")
                     .expect("a confirm");
                 inflight.push_back((d.delivery_tag, confirm));
@@ -362,14 +390,14 @@ impl Bench {
         let _ = src_conn.close(200, "ok").await;
         let _ = pub_conn.close(200, "ok").await;
         let ch = self.channel(s).await;
-        let dst = self.depth(&ch, &dest).await;
+        let dst = self.depth(&ch, dest).await;
         if dst as usize != n || nacked > 0 {
             self.problems.push(format!(
-                "{prefix}: bare client: destination holds {dst}, expected {n}; {nacked} not confirmed"
+                "{prefix}: {label} client: destination holds {dst}, expected {n}; {nacked} not confirmed"
             ));
         }
         let _ = ch.close(200, "ok".into()).await;
-        self.drop_topology(s, &topo, &[&dest]).await;
+        self.drop_topology(s, &topo, &[&own]).await;
         let run = Run {
             n,
             wall,
@@ -383,7 +411,7 @@ impl Bench {
             outcome: None,
         };
         println!(
-            "  bare run {rep}{} (window {window}): {wall:.2}s, {:.0} msg/s; user {:.2}s sys {:.2}s; broker {:.2} CPU/s; {}; {}",
+            "  {label} run {rep}{} (window {window}): {wall:.2}s, {:.0} msg/s; user {:.2}s sys {:.2}s; broker {:.2} CPU/s; {}; {}",
             s.note(),
             run.rate(),
             cpu.0,
@@ -493,4 +521,14 @@ pub(crate) fn cost_row(name: &str, runs: &[Run], shovel_median: f64, bare_median
         rate / shovel_median,
         rate / bare_median
     );
+}
+
+/// Where the bare client publishes (see [`Bench::bare`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BareTo {
+    /// A queue of its own, through the default exchange (as Shovel's `dest-queue`).
+    OwnQueue,
+    /// Where dlq-replay publishes: the dead letter's exchange and routing key, into its work
+    /// queue.
+    Original,
 }
