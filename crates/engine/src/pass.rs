@@ -77,7 +77,7 @@ impl<'a> Pass<'a> {
         after: bool,
     ) -> Result<Opened<'a>, Error> {
         let conn = connect_amqp(&replay.amqp_url, &replay.connection_name("source")).await?;
-        let depth = source_depth(&conn, &replay.spec).await?;
+        let (depth, _) = source_state(&conn, &replay.spec.source.queue).await?;
         let mut con = store::connect(&replay.redis_url).await?;
         let eviction_risk = redis_preflight(replay, &mut con, depth.into()).await?;
         let (mut store, state) = Store::begin(
@@ -180,8 +180,7 @@ impl<'a> Pass<'a> {
         let tracker = Tracker::new(&replay.spec.canary, stored);
         status.canary = tracker.status();
         let queue = &replay.spec.source.queue;
-        let others = (progress, &status, others_grace);
-        let depth = unshared_depth(&conn, queue, others, cancel).await?;
+        let depth = unshared_depth(&conn, queue, progress, &status, others_grace, cancel).await?;
         status.phase = Some(if tracker.enabled() {
             Phase::Pending
         } else {
@@ -340,12 +339,12 @@ async fn pending_wait(
     }
 }
 
-/// How many messages the dead-letter queue holds now; a missing queue is refused.
-async fn source_depth(conn: &Connection, spec: &DlqReplaySpec) -> Result<u32, Error> {
-    Ok(source::queue_state(conn, &spec.source.queue)
+/// How many messages the dead-letter queue holds now, and its consumers; a missing queue is
+/// refused.
+async fn source_state(conn: &Connection, queue: &str) -> Result<(u32, u32), Error> {
+    source::queue_state(conn, queue)
         .await?
-        .ok_or_else(|| Error::SourceMissing(spec.source.queue.clone()))?
-        .0)
+        .ok_or_else(|| Error::SourceMissing(queue.into()))
 }
 
 /// How long a run's first pass waits for other consumers to leave the dead-letter queue before
@@ -372,15 +371,15 @@ const OTHERS_LOOK: Duration = Duration::from_millis(20);
 async fn unshared_depth(
     conn: &Connection,
     queue: &str,
-    (progress, status, grace): (&Progress, &ReplayStatus, Duration),
+    progress: &Progress,
+    status: &ReplayStatus,
+    grace: Duration,
     cancel: &CancellationToken,
 ) -> Result<u32, Error> {
     let until = tokio::time::Instant::now() + grace;
     let mut shown = false;
     loop {
-        let (depth, consumers) = source::queue_state(conn, queue)
-            .await?
-            .ok_or_else(|| Error::SourceMissing(queue.into()))?;
+        let (depth, consumers) = source_state(conn, queue).await?;
         if consumers == 0 {
             return Ok(depth);
         }
