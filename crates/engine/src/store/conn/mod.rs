@@ -18,18 +18,20 @@
 //! redis-rs connection. A Cluster pipeline whose keys span slots is sent one command at a time,
 //! all at once (redis-rs sends a pipeline to one node only).
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::join_all;
 use futures::FutureExt;
-use redis::aio::{ConnectionLike, ConnectionManager, MultiplexedConnection};
+use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
-use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
-use redis::{Cmd, IntoConnectionInfo, Pipeline, RedisError, RedisFuture, RedisResult, Value};
+use redis::{Cmd, Pipeline, RedisError, RedisFuture, RedisResult, Value};
 
 use crate::Error;
+
+mod ha;
+use ha::{Cluster, Sentinel};
 
 /// Longer than a busy Redis takes to answer a batch's script, short enough that a Redis that
 /// stopped answering ends the call (and it is asked again, or the replay reconnects) instead of
@@ -44,13 +46,16 @@ const WAIT_MS: u64 = 2000;
 pub struct Redis {
     inner: Inner,
     replicas: u64,
+    /// In a Cluster: which of its connections this clone's last call went over (see
+    /// [`Cluster::generation`]), so that a `WAIT` after a write is the write's.
+    used: u64,
 }
 
 #[derive(Clone)]
 enum Inner {
     Single(ConnectionManager),
     Sentinel(Arc<Sentinel>),
-    Cluster(ClusterConnection),
+    Cluster(Arc<Cluster>),
 }
 
 /// How the replay's keys are named: with their replay's name as a `{hash tag}` in a Cluster, so
@@ -71,12 +76,13 @@ pub async fn connect(url: &str) -> Result<Redis, Error> {
     let scheme = url.split("://").next().unwrap_or("");
     let (inner, default_replicas) = match scheme {
         "redis+sentinel" | "rediss+sentinel" => (Inner::Sentinel(Sentinel::new(&url).await?), 1),
-        "redis+cluster" | "rediss+cluster" => (Inner::Cluster(cluster(&url).await?), 1),
+        "redis+cluster" | "rediss+cluster" => (Inner::Cluster(Cluster::new(&url).await?), 1),
         _ => (Inner::Single(single(&url).await?), 0),
     };
     Ok(Redis {
         inner,
         replicas: replicas.unwrap_or(default_replicas),
+        used: 0,
     })
 }
 
@@ -188,129 +194,16 @@ fn with(head: &str, host: &str, credentials: Option<&str>) -> String {
     }
 }
 
-async fn cluster(url: &str) -> Result<ClusterConnection, Error> {
-    let (nodes, _) = nodes(url, None)?;
-    let mut infos = Vec::new();
-    for n in &nodes {
-        infos.push(n.as_str().into_connection_info().map_err(bad_url)?);
-    }
-    redis::cluster::ClusterClientBuilder::new(infos)
-        .connection_timeout(TIMEOUT)
-        .response_timeout(TIMEOUT)
-        .build()
-        .map_err(bad_url)?
-        .get_async_connection()
-        .await
-        .map_err(cannot_connect)
-}
-
-/// The master of a Sentinel group: the connection to it, made again (after asking the sentinels)
-/// once it failed with a lost connection or a read-only master.
-pub(crate) struct Sentinel {
-    client: tokio::sync::Mutex<SentinelClient>,
-    /// The connection to the master.
-    current: Mutex<Option<MultiplexedConnection>>,
-}
-
-impl Sentinel {
-    async fn new(url: &str) -> Result<Arc<Self>, Error> {
-        // The master's credentials are the URL's; the sentinels get none unless the query gives
-        // them theirs.
-        let (with_master_auth, tail) = nodes(url, None)?;
-        let (bare, _) = nodes(url, Some(""))?;
-        let query: std::collections::HashMap<String, String> =
-            url::form_urlencoded::parse(tail.split_once('?').map_or("", |(_, q)| q).as_bytes())
-                .into_owned()
-                .collect();
-        let mut sentinels = Vec::new();
-        for s in &bare {
-            let mut u = url::Url::parse(s).map_err(|e| Error::Config(format!("Redis URL: {e}")))?;
-            let (user, pass) = (
-                query.get("sentinel_username"),
-                query.get("sentinel_password"),
-            );
-            if user.is_some() || pass.is_some() {
-                let auth = u
-                    .set_username(user.map_or("", String::as_str))
-                    .and_then(|()| u.set_password(pass.map(String::as_str)));
-                auth.map_err(|()| Error::Config("Redis URL: bad sentinel credentials".into()))?;
-            }
-            sentinels.push(u.to_string());
-        }
-        let path = tail.split(['?', '#']).next().unwrap_or("");
-        let mut segments = path.trim_start_matches('/').split('/');
-        let master = segments.next().filter(|m| !m.is_empty()).ok_or_else(|| {
-            Error::Config(
-                "Redis URL: redis+sentinel:// needs the master's name as its path (redis+sentinel://s1:26379,s2:26379/mymaster)".into(),
-            )
-        })?;
-        // The master's own credentials and database, as a one-server URL would give them.
-        let db = segments.next().filter(|d| !d.is_empty()).unwrap_or("0");
-        let first = with_master_auth.first().map(String::as_str).unwrap_or("");
-        let master_info = format!("{first}/{db}")
-            .as_str()
-            .into_connection_info()
-            .map_err(bad_url)?;
-        let mut node = SentinelNodeConnectionInfo::default()
-            .set_redis_connection_info(master_info.redis_settings().clone());
-        if url.starts_with("rediss") {
-            node = node.set_tls_mode(redis::TlsMode::Secure);
-        }
-        let mut infos = Vec::new();
-        for s in &sentinels {
-            infos.push(s.as_str().into_connection_info().map_err(bad_url)?);
-        }
-        let client = SentinelClient::build(infos, master, Some(node), SentinelServerType::Master)
-            .map_err(bad_url)?;
-        let me = Arc::new(Self {
-            client: tokio::sync::Mutex::new(client),
-            current: Mutex::new(None),
-        });
-        me.connection().await.map_err(cannot_connect)?;
-        Ok(me)
-    }
-
-    /// The connection to the master, made (the sentinels asked which it is) if there is none.
-    async fn connection(&self) -> RedisResult<MultiplexedConnection> {
-        if let Some(c) = self.cached() {
-            return Ok(c);
-        }
-        let mut client = self.client.lock().await;
-        // Another call may have made it while this one waited for the lock.
-        if let Some(c) = self.cached() {
-            return Ok(c);
-        }
-        let config = redis::AsyncConnectionConfig::new()
-            .set_response_timeout(Some(TIMEOUT))
-            .set_connection_timeout(Some(TIMEOUT));
-        let con = client.get_async_connection_with_config(&config).await?;
-        if let Ok(mut current) = self.current.lock() {
-            *current = Some(con.clone());
-        }
-        Ok(con)
-    }
-
-    fn cached(&self) -> Option<MultiplexedConnection> {
-        self.current.lock().ok().and_then(|c| c.clone())
-    }
-
-    /// After an error: a lost connection or a master that is no more makes the next call ask
-    /// the sentinels again.
-    fn lost(&self, e: &RedisError) {
-        if crate::redis_connection_lost(e) {
-            tracing::warn!(error = %e, "the Redis master is lost; asking the sentinels for the master again");
-            if let Ok(mut current) = self.current.lock() {
-                *current = None;
-            }
-        }
-    }
-}
-
 impl ConnectionLike for Redis {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match &mut self.inner {
             Inner::Single(c) => c.req_packed_command(cmd),
-            Inner::Cluster(c) => c.req_packed_command(cmd),
+            Inner::Cluster(c) => c
+                .clone()
+                .call(&mut self.used, move |mut con| {
+                    async move { con.req_packed_command(cmd).await }.boxed()
+                })
+                .boxed(),
             Inner::Sentinel(s) => {
                 let s = s.clone();
                 async move {
@@ -330,10 +223,18 @@ impl ConnectionLike for Redis {
     ) -> RedisFuture<'a, Vec<Value>> {
         match &mut self.inner {
             Inner::Single(c) => c.req_packed_commands(pipeline, offset, count),
-            Inner::Cluster(c) if !pipeline.is_transaction() => {
-                cluster_pipeline(c.clone(), pipeline, offset, count).boxed()
-            }
-            Inner::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+            Inner::Cluster(c) if !pipeline.is_transaction() => c
+                .clone()
+                .call(&mut self.used, move |con| {
+                    cluster_pipeline(con, pipeline, offset, count).boxed()
+                })
+                .boxed(),
+            Inner::Cluster(c) => c
+                .clone()
+                .call(&mut self.used, move |mut con| {
+                    async move { con.req_packed_commands(pipeline, offset, count).await }.boxed()
+                })
+                .boxed(),
             Inner::Sentinel(s) => {
                 let s = s.clone();
                 async move {
@@ -350,8 +251,7 @@ impl ConnectionLike for Redis {
     fn get_db(&self) -> i64 {
         match &self.inner {
             Inner::Single(c) => c.get_db(),
-            Inner::Cluster(c) => c.get_db(),
-            Inner::Sentinel(_) => 0,
+            Inner::Cluster(_) | Inner::Sentinel(_) => 0,
         }
     }
 }
@@ -423,11 +323,19 @@ impl Redis {
     /// retry budget.
     pub async fn replicated(&mut self, keys: &[&str]) -> Result<(), Error> {
         let want = self.replicas;
-        let Inner::Cluster(c) = &self.inner else {
+        let Inner::Cluster(cluster) = &self.inner else {
             return Ok(());
         };
         if want == 0 || keys.is_empty() {
             return Ok(());
+        }
+        // `WAIT` counts the replicas holding this connection's writes: on a connection made since
+        // the write it would count none of them, and say yes.
+        let (c, gen) = cluster.connection().await?;
+        if gen != self.used {
+            return Err(Error::Connection(
+                "redis: the Cluster connection was made again between a write and its WAIT".into(),
+            ));
         }
         let mut wait = redis::cmd("WAIT");
         wait.arg(want).arg(WAIT_MS);
@@ -444,6 +352,9 @@ impl Redis {
             }
         });
         let answers: RedisResult<Vec<u64>> = join_all(asked).await.into_iter().collect();
+        if let Err(e) = &answers {
+            cluster.lost(e, gen);
+        }
         self.enough(answers?.into_iter().min().unwrap_or(want))
     }
 
