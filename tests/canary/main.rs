@@ -206,7 +206,7 @@ async fn a_still_broken_consumer_sends_the_canary_back_and_nothing_else_moves(t:
     // A failed canary is final: running it again replays nothing.
     let again = run_with(&w, &canary_spec(&w, ""), Options::default()).await;
     assert_eq!(again.phase, Some(Phase::CanaryFailed));
-    assert_eq!(w.depth(&w.topo.dlq).await, 8);
+    assert_eq!(w.depth_back_to(&w.topo.dlq, 8).await, 8);
     w.cleanup().await;
 }
 
@@ -449,7 +449,7 @@ async fn require_done_does_not_pass_a_consumer_that_silently_drops(t: Target) {
     .await;
     assert_eq!(status.phase, Some(Phase::CanaryFailed), "{status:?}");
     assert_eq!(status.canary[0].result, CanaryResult::Unconfirmed);
-    assert_eq!(w.depth(&w.topo.dlq).await, 3);
+    assert_eq!(w.depth_back_to(&w.topo.dlq, 3).await, 3);
     w.cleanup().await;
 }
 
@@ -500,7 +500,7 @@ async fn too_much_poison_stops_before_draining(t: Target) {
         .as_deref()
         .unwrap()
         .contains("maxQuarantineRatio"));
-    assert_eq!(w.depth(&w.topo.dlq).await, 6);
+    assert_eq!(w.depth_back_to(&w.topo.dlq, 6).await, 6);
     w.cleanup().await;
 }
 
@@ -524,7 +524,7 @@ async fn more_signatures_than_max_signatures_fail_before_anything_moves(t: Targe
     assert!(why.starts_with("TooManySignatures:"), "{why}");
     assert!(why.contains("canary.maxSignatures 4"), "{why}");
     assert!(status.canary.is_empty(), "no canary may leave: {status:?}");
-    assert_eq!(w.depth(&w.topo.dlq).await, 6);
+    assert_eq!(w.depth_back_to(&w.topo.dlq, 6).await, 6);
     assert_eq!(w.depth(&w.topo.work).await, 0);
     w.cleanup().await;
 }
