@@ -291,21 +291,6 @@ impl World {
         fixture::depth(&self.ch, queue).await.unwrap()
     }
 
-    /// The depth of `queue` once it is `expected`, or what it is after 5 s: what a replay left
-    /// unacknowledged goes back to its queue when the replay's channel closes, and a quorum queue
-    /// counts it a few milliseconds after the replay has returned (seen on RabbitMQ 3.10: 1 of 3
-    /// at once, 3 after 6 ms).
-    pub async fn depth_back_to(&self, queue: &str, expected: u32) -> u32 {
-        let start = std::time::Instant::now();
-        loop {
-            let depth = self.depth(queue).await;
-            if depth == expected || start.elapsed() > std::time::Duration::from_secs(5) {
-                return depth;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
-        }
-    }
-
     pub async fn cleanup(self) {
         let _ = self.topo.delete(&self.ch).await;
         let _ = self

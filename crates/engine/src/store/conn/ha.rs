@@ -190,7 +190,7 @@ impl Sentinel {
         Ok(con)
     }
 
-    pub(super) fn cached(&self) -> Option<MultiplexedConnection> {
+    fn cached(&self) -> Option<MultiplexedConnection> {
         self.current.lock().ok().and_then(|c| c.clone())
     }
 

@@ -46,8 +46,8 @@ const WAIT_MS: u64 = 2000;
 pub struct Redis {
     inner: Inner,
     replicas: u64,
-    /// In a Cluster: which of its connections this clone's last call went over (see
-    /// [`Cluster::generation`]), so that a `WAIT` after a write is the write's.
+    /// In a Cluster: the generation of the connection this clone's last call went over (see
+    /// `ha::Cluster`), so that a `WAIT` after a write goes over the write's connection.
     used: u64,
 }
 
@@ -331,12 +331,11 @@ impl Redis {
         }
         // `WAIT` counts the replicas holding this connection's writes: on a connection made since
         // the write it would count none of them, and say yes.
-        let (c, gen) = cluster.connection().await?;
-        if gen != self.used {
+        let Some((c, gen)) = cluster.cached().filter(|(_, gen)| *gen == self.used) else {
             return Err(Error::Connection(
                 "redis: the Cluster connection was made again between a write and its WAIT".into(),
             ));
-        }
+        };
         let mut wait = redis::cmd("WAIT");
         wait.arg(want).arg(WAIT_MS);
         let mut slots: Vec<u16> = keys.iter().map(|k| slot(k)).collect();
