@@ -6,10 +6,11 @@
 //! kit's manifest resolution checked against the command line's.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use dlq_replay::api::Phase;
 use dlq_replay::fixture::Topology;
+use dlq_replay_testkit::faults;
 use dlq_replay_testkit::world::*;
 use lapin::types::{AMQPValue, ByteArray, DecimalValue, FieldArray, FieldTable, LongString};
 use lapin::BasicProperties;
