@@ -24,9 +24,12 @@ pub(crate) async fn throughput_section(b: &mut Bench, sections: &[Section], n: u
     let mut claim = vec![Vec::new(); sections.len()];
     let mut bare = vec![Vec::new(); sections.len()];
     let mut routed = vec![Vec::new(); sections.len()];
+    let mut check_log = vec![Vec::new(); sections.len()];
     let window = b.window();
     // BENCH_ROWS picks the rows (default all): e.g. `check,claim` with a count-allocs or a
-    // BENCH_WRAP'd (callgrind) binary.
+    // BENCH_WRAP'd (callgrind) binary. `checklog` (not a default row): Check with the audit rows
+    // sent to the log, so the landing's Redis commit writes no stream entries: how much of the
+    // gap to the bare client the rows' XADDs on the window's path make.
     let rows_env =
         std::env::var("BENCH_ROWS").unwrap_or_else(|_| "shovel,bare,routed,check,claim".into());
     let rows: Vec<&str> = rows_env.split(',').map(str::trim).collect();
@@ -53,6 +56,17 @@ pub(crate) async fn throughput_section(b: &mut Bench, sections: &[Section], n: u
             if rows.contains(&"check") {
                 check[i].push(
                     b.replay(s, &format!("{t}check{rep}"), n, "Check", Extras::default())
+                        .await
+                        .0,
+                );
+            }
+            if rows.contains(&"checklog") {
+                let extras = Extras {
+                    audit_log: true,
+                    ..Extras::default()
+                };
+                check_log[i].push(
+                    b.replay(s, &format!("{t}checklog{rep}"), n, "Check", extras)
                         .await
                         .0,
                 );
@@ -95,7 +109,12 @@ pub(crate) async fn throughput_section(b: &mut Bench, sections: &[Section], n: u
             ("bare, routed", &routed[i]),
             ("dlq-replay Check", &check[i]),
             ("dlq-replay Claim", &claim[i]),
+            ("Check, audit to log", &check_log[i]),
         ] {
+            // A row BENCH_ROWS left out is not printed.
+            if runs.is_empty() {
+                continue;
+            }
             table_row(name, runs, shovel_median);
         }
     }
@@ -124,8 +143,35 @@ pub(crate) async fn throughput_section(b: &mut Bench, sections: &[Section], n: u
             ("bare, routed", &routed[i]),
             ("dlq-replay Check", &check[i]),
             ("dlq-replay Claim", &claim[i]),
+            ("Check, audit to log", &check_log[i]),
         ] {
+            // A row BENCH_ROWS left out is not printed.
+            if runs.is_empty() {
+                continue;
+            }
             cost_row(name, runs, shovel_median, bare_median);
+        }
+    }
+    // Each rep runs every row back to back, so a ratio within one rep leaves out how the machine
+    // drifts between reps (seen: the bare client 5,500-9,400 msg/s within one bench).
+    println!(
+        "\n== paired ratios (each run against the bare client's and Shovel's run of the same round, alternating rows; median and min-max over the rounds)"
+    );
+    println!(
+        "{:<19} {:>12} {:>13} {:>12} {:>13}",
+        "scenario", "vs bare", "min-max", "vs Shovel", "min-max"
+    );
+    for (i, s) in sections.iter().enumerate() {
+        println!("{}:", s.label);
+        for (name, runs) in [
+            ("bare, routed", &routed[i]),
+            ("dlq-replay Check", &check[i]),
+            ("dlq-replay Claim", &claim[i]),
+            ("Check, audit to log", &check_log[i]),
+        ] {
+            if !runs.is_empty() {
+                paired_row(name, runs, &bare[i], &shovel[i]);
+            }
         }
     }
     println!("  proc CPU/s: dlq-replay's (user+sys) CPU seconds per wall second (1.0 = one core busy); broker CPU/s: the same for the RabbitMQ node (beam.smp) of the section; other CPU/s: the machine's busy time (/proc/stat) less dlq-replay, that broker, Redis and this harness, floored at 0: other work on the machine, i.e. noise (approximate; another broker's idle load counts there); the machine has {} cores.", nproc());
@@ -521,6 +567,30 @@ pub(crate) fn cost_row(name: &str, runs: &[Run], shovel_median: f64, bare_median
         rate / shovel_median,
         rate / bare_median
     );
+}
+
+/// A row's rates over those of the reference rows' runs of the same rounds: median and range,
+/// for the bare client and for Shovel ("-" where that reference did not run).
+fn paired_row(name: &str, runs: &[Run], bare: &[Run], shovel: &[Run]) {
+    let ratios = |reference: &[Run]| -> (String, String) {
+        let r: Vec<f64> = runs
+            .iter()
+            .zip(reference)
+            .map(|(a, b)| a.rate() / b.rate())
+            .collect();
+        if r.is_empty() {
+            return ("-".into(), "-".into());
+        }
+        let min = r.iter().cloned().fold(f64::INFINITY, f64::min);
+        let max = r.iter().cloned().fold(0.0, f64::max);
+        (
+            format!("{:.2}x", median(r.iter().cloned())),
+            format!("{min:.2}-{max:.2}x"),
+        )
+    };
+    let (vs_bare, bare_range) = ratios(bare);
+    let (vs_shovel, shovel_range) = ratios(shovel);
+    println!("{name:<19} {vs_bare:>12} {bare_range:>13} {vs_shovel:>12} {shovel_range:>13}");
 }
 
 /// Where the bare client publishes (see [`Bench::bare`]).
