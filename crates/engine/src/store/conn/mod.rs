@@ -346,7 +346,12 @@ impl Redis {
             let wait = wait.clone();
             async move {
                 let to = SingleNodeRoutingInfo::SpecificNode(Route::new(s, SlotAddr::Master));
-                let n = c.route_command(wait, RoutingInfo::SingleNode(to)).await?;
+                // An error reply is the node's refusal (a replica, after a failover the slot map
+                // has not caught up with), not a count: an error that `lost` acts on.
+                let n = c
+                    .route_command(wait, RoutingInfo::SingleNode(to))
+                    .await?
+                    .extract_error()?;
                 redis::from_redis_value::<u64>(n).map_err(RedisError::from)
             }
         });
