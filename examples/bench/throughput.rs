@@ -80,6 +80,19 @@ pub(crate) async fn throughput_section(b: &mut Bench, sections: &[Section], n: u
             }
         }
     }
+    // The rows of the section `i`, in order: the references (Shovel, the bare client) first.
+    let named = |i: usize| {
+        [
+            ("shovel (on-confirm)", &shovel[i]),
+            ("bare client", &bare[i]),
+            ("bare, routed", &routed[i]),
+            ("dlq-replay Check", &check[i]),
+            ("dlq-replay Claim", &claim[i]),
+            ("Check, audit to log", &check_log[i]),
+        ]
+    };
+    // A row BENCH_ROWS left out is not printed.
+    let ran = |(_, runs): &(&str, &Vec<Run>)| !runs.is_empty();
     println!(
         "\n== throughput table (N = {n}; msg/s = N / wall; dlq-replay: 10 % duplicates in Redis, audit on, canary off, no rate limit; vs Shovel: against the Shovel median of the same broker and queue type)"
     );
@@ -103,18 +116,7 @@ pub(crate) async fn throughput_section(b: &mut Bench, sections: &[Section], n: u
     for (i, s) in sections.iter().enumerate() {
         println!("{}:", s.label);
         let shovel_median = median(shovel[i].iter().map(Run::rate));
-        for (name, runs) in [
-            ("shovel (on-confirm)", &shovel[i]),
-            ("bare client", &bare[i]),
-            ("bare, routed", &routed[i]),
-            ("dlq-replay Check", &check[i]),
-            ("dlq-replay Claim", &claim[i]),
-            ("Check, audit to log", &check_log[i]),
-        ] {
-            // A row BENCH_ROWS left out is not printed.
-            if runs.is_empty() {
-                continue;
-            }
+        for (name, runs) in named(i).into_iter().filter(ran) {
             table_row(name, runs, shovel_median);
         }
     }
@@ -137,18 +139,7 @@ pub(crate) async fn throughput_section(b: &mut Bench, sections: &[Section], n: u
         println!("{}:", s.label);
         let shovel_median = median(shovel[i].iter().map(Run::rate));
         let bare_median = median(bare[i].iter().map(Run::rate));
-        for (name, runs) in [
-            ("shovel (on-confirm)", &shovel[i]),
-            ("bare client", &bare[i]),
-            ("bare, routed", &routed[i]),
-            ("dlq-replay Check", &check[i]),
-            ("dlq-replay Claim", &claim[i]),
-            ("Check, audit to log", &check_log[i]),
-        ] {
-            // A row BENCH_ROWS left out is not printed.
-            if runs.is_empty() {
-                continue;
-            }
+        for (name, runs) in named(i).into_iter().filter(ran) {
             cost_row(name, runs, shovel_median, bare_median);
         }
     }
@@ -163,15 +154,9 @@ pub(crate) async fn throughput_section(b: &mut Bench, sections: &[Section], n: u
     );
     for (i, s) in sections.iter().enumerate() {
         println!("{}:", s.label);
-        for (name, runs) in [
-            ("bare, routed", &routed[i]),
-            ("dlq-replay Check", &check[i]),
-            ("dlq-replay Claim", &claim[i]),
-            ("Check, audit to log", &check_log[i]),
-        ] {
-            if !runs.is_empty() {
-                paired_row(name, runs, &bare[i], &shovel[i]);
-            }
+        // Shovel and the bare client are the references, not rows of this table.
+        for (name, runs) in named(i).into_iter().skip(2).filter(ran) {
+            paired_row(name, runs, &bare[i], &shovel[i]);
         }
     }
     println!("  proc CPU/s: dlq-replay's (user+sys) CPU seconds per wall second (1.0 = one core busy); broker CPU/s: the same for the RabbitMQ node (beam.smp) of the section; other CPU/s: the machine's busy time (/proc/stat) less dlq-replay, that broker, Redis and this harness, floored at 0: other work on the machine, i.e. noise (approximate; another broker's idle load counts there); the machine has {} cores.", nproc());
